@@ -1,0 +1,11 @@
+"""selective_ckpt: selective activation recomputation in fused kernels.
+
+Attention keeps q, k, v, o and the row logsumexp; the MLP keeps its fc1 output; softmax, dropout
+masks, GELU and LayerNorm outputs are recomputed inside the backward kernels.
+"""
+
+from . import rng
+from .ops import dropout
+
+__all__ = ["dropout", "rng"]
+__version__ = "0.1.0"

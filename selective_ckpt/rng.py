@@ -1,0 +1,118 @@
+"""Seeds and the dropout-mask contract of DESIGN.md.
+
+Masks are a pure function of (seed, indices): Philox4x32-10 keyed by the seed, one call per group
+of 8 columns, 16-bit values compared against t16 = round(p * 65536). The Philox words come from
+the C++ implementation (csrc/philox.h); the mask assembly below is independent Python, so the
+reference masks the tests use do not share code with the kernels' mask logic.
+"""
+
+import math
+
+import torch
+
+from ._extension import load as _load_extension
+
+_C = _load_extension()
+
+U16_RANGE = 65536
+SEED_RANGE = 1 << 64
+
+
+def threshold(p, name="p") -> int:
+    """t16 = round(p * 65536) for a dropout probability p in [0, 1); the kernels' integer threshold."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"{name} must be a Python float in [0, 1), got {type(p).__name__}")
+    p = float(p)
+    if math.isnan(p) or p < 0.0 or p >= 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {p}")
+    t16 = round(p * U16_RANGE)
+    if t16 > U16_RANGE - 1:
+        raise ValueError(f"{name}={p} is too close to 1: round({name} * 65536) must be at most 65535")
+    return t16
+
+
+def keep_scale(p) -> float:
+    """Scale for kept values, 65536 / (65536 - t16): makes the expectation of dropout exact."""
+    return U16_RANGE / (U16_RANGE - threshold(p))
+
+
+def check_seed(seed, name="seed") -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{name} must be a Python int in [0, 2**64), got {type(seed).__name__}")
+    if not 0 <= seed < SEED_RANGE:
+        raise ValueError(f"{name} must be in [0, 2**64), got {seed}")
+    return seed
+
+
+def seed_to_int64(seed: int) -> int:
+    """The seed as a signed 64-bit value (two's complement), for op schemas that carry int64."""
+    return seed - SEED_RANGE if seed >= 1 << 63 else seed
+
+
+def int64_to_seed(value: int) -> int:
+    return value + SEED_RANGE if value < 0 else value
+
+
+def draw_seed(device=None, generator=None) -> int:
+    """A fresh 64-bit seed as a Python int, from torch's generator for `device` (or `generator`).
+
+    `torch.manual_seed` therefore reproduces every mask. On CUDA this reads the draw back to the
+    host (one small synchronisation); the seed is returned as an int, not a device tensor.
+    """
+    if generator is not None:
+        device = generator.device
+    halves = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device=device, generator=generator).tolist()
+    return halves[0] | (halves[1] << 32)
+
+
+def resolve_seed(seed, device) -> int:
+    """`seed=None` draws one; anything else must be a valid seed."""
+    return draw_seed(device) if seed is None else check_seed(seed)
+
+
+def philox4x32(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """Philox4x32-10 of `counters` (int64 [..., 4], values in [0, 2**32)) with key (seed lo, seed hi)."""
+    check_seed(seed)
+    if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int64:
+        raise TypeError("counters must be an int64 tensor")
+    if counters.dim() == 0 or counters.shape[-1] != 4:
+        raise ValueError(f"counters must have shape [..., 4], got {list(counters.shape)}")
+    flat = counters.detach().to("cpu").contiguous().reshape(-1, 4)
+    if flat.numel() and (flat.min() < 0 or flat.max() >= 1 << 32):
+        raise ValueError("counters must lie in [0, 2**32)")
+    out = torch.empty_like(flat)
+    _C.philox_words(seed, flat.data_ptr(), out.data_ptr(), flat.shape[0])
+    return out.reshape(counters.shape).to(counters.device)
+
+
+def _keep_from_counters(seed, counters, cols, t16):
+    """counters [..., G, 4] -> keep mask [..., cols] with u[t] = (w[t & 3] >> 16*(t >> 2)) & 0xffff."""
+    words = philox4x32(seed, counters)
+    t = torch.arange(8)
+    u = (words[..., t & 3] >> (16 * (t >> 2))) & 0xFFFF  # [..., G, 8]
+    u = u.reshape(*u.shape[:-2], -1)[..., :cols]
+    return u >= t16
+
+
+def attention_keep_mask(seed: int, B: int, H: int, Sq: int, Sk: int, p: float) -> torch.Tensor:
+    """Keep mask of P[b, h, i, j], counter (j >> 3, i, b*H + h, 0): BoolTensor [B, H, Sq, Sk]."""
+    t16 = threshold(p)
+    groups = (Sk + 7) // 8
+    c = torch.zeros(B * H, Sq, groups, 4, dtype=torch.int64)
+    c[..., 0] = torch.arange(groups)
+    c[..., 1] = torch.arange(Sq)[:, None]
+    c[..., 2] = torch.arange(B * H)[:, None, None]
+    return _keep_from_counters(seed, c, Sk, t16).reshape(B, H, Sq, Sk)
+
+
+def elementwise_keep_mask(seed: int, rows: int, cols: int, p: float) -> torch.Tensor:
+    """Keep mask of x viewed as [rows, cols], counter (j >> 3, row lo, row hi, 1): BoolTensor."""
+    t16 = threshold(p)
+    groups = (cols + 7) // 8
+    r = torch.arange(rows, dtype=torch.int64)
+    c = torch.zeros(rows, groups, 4, dtype=torch.int64)
+    c[..., 0] = torch.arange(groups)
+    c[..., 1] = (r & 0xFFFFFFFF)[:, None]
+    c[..., 2] = (r >> 32)[:, None]
+    c[..., 3] = 1
+    return _keep_from_counters(seed, c, cols, t16)

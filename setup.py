@@ -1,0 +1,87 @@
+"""Builds selective_ckpt._C from csrc/ with ninja and pybind11; everything else is pyproject.toml.
+
+The extension includes no torch headers, so it builds under ordinary build isolation and works
+with any torch: Python passes data pointers, sizes and strides.
+"""
+
+import importlib.util
+import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+
+
+def _load_source_hash():
+    spec = importlib.util.spec_from_file_location("_build_info", ROOT / "selective_ckpt" / "_build_info.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.source_hash
+
+
+def _ninja_executable():
+    found = shutil.which("ninja")
+    if found:
+        return found
+    import ninja  # the PyPI package ships the binary
+
+    return os.path.join(ninja.BIN_DIR, "ninja")
+
+
+class NinjaBuildExt(build_ext):
+    """Compiles each source to an object with ninja (parallel, incremental), then links."""
+
+    def build_extension(self, ext):
+        import pybind11
+
+        target = Path(self.get_ext_fullpath(ext.name)).resolve()
+        build_dir = Path(self.build_temp).resolve() / "ninja"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+        cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX").split()[0] or "c++"
+        includes = [sysconfig.get_paths()["include"], pybind11.get_include(), str(CSRC)]
+        cflags = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wall",
+                  f'-DSCKPT_SOURCE_HASH=\\"{_load_source_hash()(CSRC)}\\"']
+        cflags += [f"-I{d}" for d in includes]
+        ldflags = ["-shared", "-fopenmp"]
+        # Link to a temporary name and rename: processes that loaded the old module keep it intact.
+        staged = build_dir / (target.name + ".tmp")
+
+        objects = []
+        lines = [
+            f"cxx = {cxx}",
+            f"cflags = {' '.join(cflags)}",
+            f"ldflags = {' '.join(ldflags)}",
+            "rule cxx",
+            "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out",
+            "  depfile = $out.d",
+            "  deps = gcc",
+            "rule link",
+            "  command = $cxx $in -o $out $ldflags",
+        ]
+        for source in ext.sources:
+            src = (ROOT / source).resolve()
+            obj = build_dir / (src.stem + ".o")
+            objects.append(obj)
+            lines.append(f"build {obj}: cxx {src}")
+        lines.append(f"build {staged}: link {' '.join(map(str, objects))}")
+        (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
+
+        cmd = [_ninja_executable(), "-C", str(build_dir)]
+        print("building _C:", shlex.join(cmd))
+        subprocess.run(cmd, check=True)
+        os.replace(shutil.copy2(staged, str(target) + ".new"), target)
+
+
+setup(
+    ext_modules=[Extension("selective_ckpt._C", sources=sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp")))],
+    cmdclass={"build_ext": NinjaBuildExt},
+)

@@ -1,0 +1,20 @@
+"""How results are judged (DESIGN.md): against float64 eager PyTorch, relative to eager's own error."""
+
+import torch
+
+
+def max_err(x, ref):
+    return (x.detach().double() - ref.detach().double()).abs().max().item() if x.numel() else 0.0
+
+
+def assert_within_rule(ours, eager, ref64, factor, floor=1e-5, name="output"):
+    """|ours - ref64| <= factor * |eager - ref64| + floor, in max norm.
+
+    factor is 2 for outputs and 3 for gradients; eager is plain PyTorch in the same dtype as ours.
+    """
+    assert ours.shape == ref64.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref64.shape)}"
+    assert ours.dtype == eager.dtype, f"{name}: dtype {ours.dtype} != eager's {eager.dtype}"
+    assert torch.isfinite(ours).all(), f"{name}: non-finite values"
+    ours_err, eager_err = max_err(ours, ref64), max_err(eager, ref64)
+    bound = factor * eager_err + floor
+    assert ours_err <= bound, f"{name}: error {ours_err:.3e} > {factor} x eager's {eager_err:.3e} + {floor:.0e}"
