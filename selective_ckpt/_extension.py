@@ -11,7 +11,9 @@ def load():
     try:
         from . import _C
     except ImportError as err:
-        raise ImportError(f"selective_ckpt._C (the C++ kernels) is not built or cannot load ({err}); {_REBUILD}") from err
+        raise ImportError(
+            f"selective_ckpt._C (the C++ kernels) is not built or cannot load ({err}); {_REBUILD}"
+        ) from err
     csrc = Path(__file__).resolve().parent.parent / "csrc"
     if csrc.is_dir():  # an editable checkout: the sources can have moved on since the build
         expected = source_hash(csrc)
