@@ -9,4 +9,5 @@ PYBIND11_MODULE(_C, m) {
   // Checked at import against the sources of an editable checkout, to catch a stale build.
   m.attr("SOURCE_HASH") = SCKPT_SOURCE_HASH;
   sckpt::register_dropout(m);
+  sckpt::register_attention(m);
 }

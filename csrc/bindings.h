@@ -6,4 +6,5 @@
 
 namespace sckpt {
 void register_dropout(pybind11::module_& m);
+void register_attention(pybind11::module_& m);
 }  // namespace sckpt
