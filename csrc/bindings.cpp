@@ -9,5 +9,7 @@ PYBIND11_MODULE(_C, m) {
   // Checked at import against the sources of an editable checkout, to catch a stale build.
   m.attr("SOURCE_HASH") = SCKPT_SOURCE_HASH;
   sckpt::register_dropout(m);
+  sckpt::register_mlp(m);
   sckpt::register_attention(m);
+  sckpt::register_layernorm(m);
 }

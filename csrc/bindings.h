@@ -6,5 +6,7 @@
 
 namespace sckpt {
 void register_dropout(pybind11::module_& m);
+void register_mlp(pybind11::module_& m);
 void register_attention(pybind11::module_& m);
+void register_layernorm(pybind11::module_& m);
 }  // namespace sckpt

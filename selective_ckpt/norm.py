@@ -1,0 +1,166 @@
+"""LayerNorm autograd and the fused pre-LN pieces of the decoder layer.
+
+- `layer_norm(x, weight, bias, eps)`: saves x, mean and rstd; the normalised output is never kept.
+- `ln_linear(...)`: LayerNorm followed by a Linear in one autograd node. It keeps x, mean and rstd
+  and rebuilds LN(x) in backward for the Linear's weight gradient (or keeps LN(x) when `store`).
+- `ln_mlp(...)`: LayerNorm followed by the GELU-MLP (selective_ckpt.mlp) in one node: keeps x,
+  mean, rstd and the fc1 output; LN(x) and the GELU output are rebuilt in backward unless `store`.
+
+Stored and recomputed LayerNorm outputs come from the same kernel and the same saved statistics,
+so `store=True` and `store=False` give bit-identical gradients.
+
+Mixed precision follows eager autocast: the LayerNorm runs in the input dtype (float32 under CUDA
+autocast, which is what eager's layer_norm does there) and the matmuls in `compute_dtype`.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+
+
+def _check_ln_args(x, weight, bias, eps):
+    ops.check_floating(x, "x")
+    ops.check_floating(weight, "weight")
+    n = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or n == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {list(x.shape)}")
+    if weight.shape != (n,):
+        raise ValueError(f"weight must have shape [{n}] (x's last dim), got {list(weight.shape)}")
+    if bias is not None:
+        ops.check_floating(bias, "bias")
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape [{n}] (x's last dim), got {list(bias.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+
+
+def layer_norm(x, weight, bias=None, eps=1e-5):
+    """LayerNorm over x's last dim with a fused kernel; weight/bias are cast to x's dtype.
+
+    Autograd keeps x, mean and rstd (float32 per row; float64 for float64 x), not the output.
+    """
+    _check_ln_args(x, weight, bias, eps)
+    weight = weight.to(x.dtype)
+    bias = bias.to(x.dtype) if bias is not None else None
+    y, _, _ = ops.layer_norm_fwd(x, weight, bias, float(eps))
+    return y
+
+
+def norm_dtype(x):
+    """The dtype eager LayerNorm computes in for x: float32 under CUDA autocast, else x's dtype."""
+    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.float32
+    return x.dtype
+
+
+def compute_dtype(x):
+    """The dtype eager matmuls run in for x: the autocast dtype when autocast is on, else x's."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def _cast(t, dtype):
+    return None if t is None else t.to(dtype)
+
+
+def _ln_forward(x, ln_w, ln_b, eps, nd):
+    xn = x.to(nd)
+    y, mean, rstd = ops.layer_norm_fwd(xn, ln_w.to(nd), _cast(ln_b, nd), eps)
+    return y, mean, rstd
+
+
+def _ln_recompute(x, ln_w, ln_b, mean, rstd, nd):
+    return ops.layer_norm_apply(x.to(nd), ln_w.to(nd), _cast(ln_b, nd), mean, rstd)
+
+
+def _ln_grads(ctx, dy_norm, x, ln_w, mean, rstd, nd, first):
+    """(dx, dln_w, dln_b) in the dtypes of x and the LayerNorm parameters."""
+    dx, dw, db = ops.layer_norm_bwd(dy_norm.to(nd).contiguous(), x.to(nd), mean, rstd, ln_w.to(nd))
+    need = ctx.needs_input_grad
+    return (dx.to(x.dtype) if need[first] else None, dw.to(ln_w.dtype) if need[first + 1] else None,
+            db.to(ln_w.dtype) if need[first + 2] and ctx.has_ln_bias else None)
+
+
+class _LNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, w, b, eps, store, cd):
+        nd = x.dtype if cd == x.dtype else norm_dtype(x)
+        y, mean, rstd = _ln_forward(x, ln_w, ln_b, eps, nd)
+        u = y.to(cd)
+        out = F.linear(u, w.to(cd), _cast(b, cd))
+        ctx.eps, ctx.store, ctx.cd, ctx.nd = eps, store, cd, nd
+        ctx.has_ln_bias, ctx.has_bias = ln_b is not None, b is not None
+        ctx.save_for_backward(x, ln_w, ln_b, w, mean, rstd, u if store else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, ln_w, ln_b, w, mean, rstd, u = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dout = dout.contiguous()
+        d2 = dout.reshape(-1, dout.shape[-1])
+        dw = db = None
+        if need[3]:
+            if u is None:
+                u = _ln_recompute(x, ln_w, ln_b, mean, rstd, ctx.nd).to(ctx.cd)
+            dw = (d2.t() @ u.reshape(-1, u.shape[-1])).to(w.dtype)
+        if need[4] and ctx.has_bias:
+            db = d2.sum(0).to(w.dtype)
+        dx = dlw = dlb = None
+        if need[0] or need[1] or need[2]:
+            du = dout @ w.to(ctx.cd)
+            dx, dlw, dlb = _ln_grads(ctx, du, x, ln_w, mean, rstd, ctx.nd, 0)
+        return dx, dlw, dlb, dw, db, None, None, None
+
+
+def ln_linear(x, ln_w, ln_b, w, b, eps=1e-5, store=False):
+    """F.linear(layer_norm(x), w, b) in one autograd node keeping x, mean, rstd (+ LN(x) if store)."""
+    return _LNLinear.apply(x, ln_w, ln_b, w, b, float(eps), bool(store), compute_dtype(x))
+
+
+class _LNMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, p, approximate, seed, store, cd):
+        from . import mlp
+
+        nd = x.dtype if cd == x.dtype else norm_dtype(x)
+        y, mean, rstd = _ln_forward(x, ln_w, ln_b, eps, nd)
+        u = y.to(cd)
+        w1c, b1c, w2c, b2c = w1.to(cd), _cast(b1, cd), w2.to(cd), _cast(b2, cd)
+        out, h, a = mlp.mlp_forward(u, w1c, b1c, w2c, b2c, p, approximate, seed, store)
+        ctx.eps, ctx.store, ctx.cd, ctx.nd = eps, store, cd, nd
+        ctx.p, ctx.approximate, ctx.seed = p, approximate, seed
+        ctx.has_ln_bias = ln_b is not None
+        ctx.param_dtypes = (w1.dtype, None if b1 is None else b1.dtype, w2.dtype, None if b2 is None else b2.dtype)
+        ctx.save_for_backward(x, ln_w, ln_b, w1c, b1c, w2c, b2c, mean, rstd, h, a, u if store else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        from . import mlp
+
+        x, ln_w, ln_b, w1, b1, w2, b2, mean, rstd, h, a, u = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if u is None:
+            u = _ln_recompute(x, ln_w, ln_b, mean, rstd, ctx.nd).to(ctx.cd)
+        need_u = need[0] or need[1] or need[2]
+        mlp_need = (need_u, need[3], need[4], need[5], need[6])
+        du, dw1, db1, dw2, db2 = mlp.mlp_backward(dy.contiguous(), u, h, a, w1, b1, w2, b2, ctx.p, ctx.approximate,
+                                                 ctx.seed, mlp_need)
+        grads = [g if (g is None or dt is None) else g.to(dt) for g, dt in zip((dw1, db1, dw2, db2), ctx.param_dtypes)]
+        dx = dlw = dlb = None
+        if need_u:
+            dx, dlw, dlb = _ln_grads(ctx, du, x, ln_w, mean, rstd, ctx.nd, 0)
+        return (dx, dlw, dlb, *grads, None, None, None, None, None, None)
+
+
+def ln_mlp(x, ln_w, ln_b, w1, b1, w2, b2, eps=1e-5, dropout_p=0.0, approximate="none", seed=0, store=False):
+    """gelu_mlp(layer_norm(x)) in one autograd node keeping x, mean, rstd and the fc1 output.
+
+    With `store`, LN(x) and the GELU output are kept too (nothing recomputed, same bits).
+    """
+    return _LNMLP.apply(x, ln_w, ln_b, w1, b1, w2, b2, float(eps), float(dropout_p), approximate, seed, bool(store),
+                        compute_dtype(x))
