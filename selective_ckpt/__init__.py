@@ -5,7 +5,8 @@ masks, GELU and LayerNorm outputs are recomputed inside the backward kernels.
 """
 
 from . import rng
+from .mlp import gelu_mlp
 from .ops import dropout
 
-__all__ = ["dropout", "rng"]
+__all__ = ["dropout", "gelu_mlp", "rng"]
 __version__ = "0.1.0"

@@ -1,0 +1,155 @@
+"""GELU-MLP with selective recomputation: y = dropout(gelu(x @ w1^T + b1) @ w2^T + b2).
+
+Backward keeps x and the fc1 output h = x @ w1^T + b1 (the GELU input) and the dropout seed. The
+GELU output a is recomputed from h for fc2's weight gradient and the dropout mask is regenerated
+from the seed, so neither is stored. The matmuls stay in torch (MKL / cuBLAS), with the biases
+inside them (addmm): adding a bias after the matmul's result has been rounded to bf16/fp16 rounds
+h twice, which measured up to 5x eager's own error against float64 on small inner sizes.
+
+Two plain functions carry the computation so that other autograd code (the decoder layer, which
+saves the LayerNorm input instead of x) can reuse them: `mlp_forward` and `mlp_backward`.
+"""
+
+import torch
+
+from . import ops, rng
+
+__all__ = ["gelu_mlp", "mlp_forward", "mlp_backward", "check_mlp_args"]
+
+
+def check_mlp_args(x, w1, b1, w2, b2):
+    """Validates the operands of gelu_mlp (nn.Linear layout); returns (in, hidden, out)."""
+    named = [("x", x), ("w1", w1), ("w2", w2)] + [(n, b) for n, b in (("b1", b1), ("b2", b2)) if b is not None]
+    for name, t in named:
+        ops.check_floating(t, name)
+    for name, t in named[1:]:
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
+    if x.dim() < 1:
+        raise ValueError("x must have shape [..., in], got a 0-dim tensor")
+    if w1.dim() != 2 or w1.shape[1] != x.shape[-1]:
+        raise ValueError(f"w1 must have shape [hidden, in] with in = x.shape[-1] = {x.shape[-1]}, "
+                         f"got {list(w1.shape)}")
+    hidden = w1.shape[0]
+    if b1 is not None and tuple(b1.shape) != (hidden,):
+        raise ValueError(f"b1 must have shape [hidden] = [{hidden}], got {list(b1.shape)}")
+    if w2.dim() != 2 or w2.shape[1] != hidden:
+        raise ValueError(f"w2 must have shape [out, hidden] with hidden = w1.shape[0] = {hidden}, "
+                         f"got {list(w2.shape)}")
+    out = w2.shape[0]
+    if b2 is not None and tuple(b2.shape) != (out,):
+        raise ValueError(f"b2 must have shape [out] = [{out}], got {list(b2.shape)}")
+    return x.shape[-1], hidden, out
+
+
+def _linear(inp, w, b):
+    """inp @ w^T (+ b) on a 2-D input, the bias added inside the matmul like nn.Linear's."""
+    return torch.addmm(b, inp, w.t()) if b is not None else inp @ w.t()
+
+
+def mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation):
+    """Forward of the GELU-MLP without autograd; returns (y, h, a_or_None).
+
+    x [..., in]; w1 [hidden, in]; b1 [hidden] or None; w2 [out, hidden]; b2 [out] or None.
+    dropout_p: float in [0, 1); approximate: "none" | "tanh"; seed: Python int in [0, 2**64),
+    ignored when dropout_p == 0. Operands are assumed valid (see check_mlp_args).
+
+    Returns y [..., out], h = x @ w1^T + b1 [..., hidden] (the GELU input, to be saved), and the
+    GELU output a [..., hidden] only when store_activation is True (else None: a is freed here
+    and mlp_backward recomputes it from h with the same kernel, so both modes agree bit for bit).
+    Dropout follows the contract's elementwise stream over y viewed as [rows, out].
+    """
+    lead = x.shape[:-1]
+    h = _linear(x.reshape(-1, x.shape[-1]), w1, b1)
+    a = ops.mlp_gelu_op(h, approximate)
+    y = _linear(a, w2, b2)
+    if dropout_p:
+        y = ops.dropout_op(y, float(dropout_p), rng.seed_to_int64(seed))
+    hidden, out = w1.shape[0], w2.shape[0]
+    kept = a.reshape(*lead, hidden) if store_activation else None
+    return y.reshape(*lead, out), h.reshape(*lead, hidden), kept
+
+
+def mlp_backward(dy, x, h, a_or_None, w1, b1, w2, b2, dropout_p, approximate, seed, needs_input_grad):
+    """Backward of the GELU-MLP from what mlp_forward left; returns (dx, dw1, db1, dw2, db2).
+
+    dy [..., out] (any strides, stride 0 included); x, h as given to / returned by mlp_forward;
+    a_or_None the stored GELU output or None to recompute it; the other arguments as in
+    mlp_forward. needs_input_grad: five bools for (x, w1, b1, w2, b2); a gradient not needed (or
+    of a None bias) is returned as None and not computed.
+
+    Order keeps peak memory at or below eager's: the dropout mask is regenerated into dz, a is
+    recomputed only for dw2 = dz^T a and freed, then dh = (dz @ w2) * gelu'(h) is formed in
+    place in the buffer of dz @ w2.
+    """
+    nx, nw1, nb1, nw2, nb2 = needs_input_grad
+    hidden, out = w1.shape[0], w2.shape[0]
+    dz = dy.reshape(-1, out)
+    if dropout_p:
+        dz = ops.dropout_op(dz, float(dropout_p), rng.seed_to_int64(seed))
+    else:
+        dz = dz.contiguous()
+    h2 = h.reshape(-1, hidden)
+
+    db2 = dz.sum(0) if nb2 and b2 is not None else None
+    dw2 = None
+    if nw2:
+        act = a_or_None.reshape(-1, hidden) if a_or_None is not None else ops.mlp_gelu_op(h2, approximate)
+        dw2 = dz.t() @ act
+        del act
+
+    dx = dw1 = db1 = None
+    if nx or nw1 or (nb1 and b1 is not None):
+        dh = dz @ w2
+        del dz
+        ops.mlp_gelu_backward_op(dh, h2, approximate)
+        if nb1 and b1 is not None:
+            db1 = dh.sum(0)
+        if nw1:
+            dw1 = dh.t() @ x.reshape(-1, x.shape[-1])
+        if nx:
+            dx = (dh @ w1).reshape(x.shape)
+    return dx, dw1, db1, dw2, db2
+
+
+class _GeluMLP(torch.autograd.Function):
+    """Saves x, h (and a in store mode), the weights and the seed; see mlp_forward/mlp_backward."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation):
+        y, h, a = mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation)
+        ctx.save_for_backward(x, h, a, w1, b1, w2, b2)
+        ctx.dropout_p, ctx.approximate, ctx.seed = dropout_p, approximate, seed
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, h, a, w1, b1, w2, b2 = ctx.saved_tensors
+        grads = mlp_backward(dy, x, h, a, w1, b1, w2, b2, ctx.dropout_p, ctx.approximate, ctx.seed,
+                             ctx.needs_input_grad[:5])
+        return (*grads, None, None, None, None)
+
+
+def gelu_mlp(x, w1, b1, w2, b2, dropout_p=0.0, approximate="none", seed=None, *, store_activation=False):
+    """y = dropout(gelu(x @ w1^T + b1) @ w2^T + b2), recomputing GELU and the mask in backward.
+
+    x [..., in] with any leading dims; w1 [hidden, in], w2 [out, hidden] (nn.Linear layout);
+    b1, b2 optional (None). approximate: "none" (erf GELU) or "tanh" (GPT-2's gelu_new).
+    Dropout (p = dropout_p) uses the contract's elementwise mask over y viewed as [rows, out];
+    `seed=None` draws one from torch's generator for x's device. Autograd saves x, the fc1
+    output h and the seed. store_activation=True (for comparisons) also saves the GELU output
+    instead of recomputing it; outputs and gradients are bit-identical either way.
+    """
+    check_mlp_args(x, w1, b1, w2, b2)
+    ops.gelu_approximation_code(approximate)
+    rng.threshold(dropout_p, "dropout_p")
+    if not isinstance(store_activation, bool):
+        raise TypeError(f"store_activation must be a bool, got {type(store_activation).__name__}")
+    dropout_p = float(dropout_p)
+    if dropout_p:
+        seed = rng.resolve_seed(seed, x.device)
+    else:
+        seed = 0 if seed is None else rng.check_seed(seed)
+    return _GeluMLP.apply(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation)
