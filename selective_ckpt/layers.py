@@ -1,0 +1,269 @@
+"""SelectiveAttention, SelectiveMLP and the pre-LN SelectiveDecoderLayer, with recompute modes.
+
+Per token and hidden unit, in elements, a layer keeps for backward (DESIGN.md's contract):
+
+- "selective": x (LN1 input) 1, the qkv output 3 (q, k, v are views of it), the attention output
+  o 1 (proj reads it in place), x1 (LN2 input) 1, the fc1 output mlp_ratio: 10 with mlp_ratio 4,
+  plus the fp32 row logsumexp [B, H, S] and the two LayerNorms' fp32 mean/rstd [B, S].
+- "none": the same kernels, but the two LayerNorm outputs and the GELU output are kept too (16).
+- "full": torch.utils.checkpoint (non-reentrant) around the whole layer: only its input.
+
+All three give bit-identical outputs and gradients: the dropout seeds are drawn before the
+checkpointed region, so the re-run regenerates the same masks, and stored and recomputed
+LayerNorm/GELU outputs come from the same kernels.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from . import norm, ops, rng
+
+RECOMPUTE_MODES = ("selective", "none", "full")
+ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}  # activation -> GELU `approximate`
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_heads(hidden_dim, num_heads):
+    from .attention import MAX_HEAD_DIM
+
+    _check_positive_int(hidden_dim, "hidden_dim")
+    _check_positive_int(num_heads, "num_heads")
+    if hidden_dim % num_heads:
+        raise ValueError(f"hidden_dim ({hidden_dim}) must be divisible by num_heads ({num_heads})")
+    head_dim = hidden_dim // num_heads
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head dim hidden_dim / num_heads = {head_dim} is not supported: at most {MAX_HEAD_DIM}")
+    return head_dim
+
+
+def _check_activation(activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    return ACTIVATIONS[activation]
+
+
+def check_mode(mode):
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {mode!r}")
+    return mode
+
+
+def _ffn_dim(hidden_dim, mlp_ratio):
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not mlp_ratio > 0:
+        raise ValueError(f"mlp_ratio must be a positive number, got {mlp_ratio!r}")
+    ffn = int(round(hidden_dim * mlp_ratio))
+    if ffn < 1:
+        raise ValueError(f"mlp_ratio={mlp_ratio} gives an empty MLP for hidden_dim={hidden_dim}")
+    return ffn
+
+
+def _check_input(x, hidden_dim, attention_mask):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor [B, S, {hidden_dim}], got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != hidden_dim:
+        raise ValueError(f"x must have shape [B, S, {hidden_dim}], got {list(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+            raise TypeError("attention_mask must be a bool tensor [B, S] (True = attend) or None")
+        if attention_mask.shape != x.shape[:2]:
+            raise ValueError(f"attention_mask must have shape {list(x.shape[:2])} ([B, S]), "
+                             f"got {list(attention_mask.shape)}")
+
+
+def _attend(qkv, num_heads, causal, dropout_p, attention_mask, seed, softmax_scale):
+    """Attention over the packed qkv output [B, S, 3*hidden]; returns [B, S, hidden] without copies."""
+    from .attention import attention
+
+    B, S, three_hidden = qkv.shape
+    hidden = three_hidden // 3
+    # [B, S, 3, H, D] -> three [B, H, S, D] views with a contiguous last dim.
+    q, k, v = qkv.view(B, S, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+    o = attention(q, k, v, causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                  key_padding_mask=attention_mask, seed=seed if dropout_p > 0 else None)
+    return o.transpose(1, 2).reshape(B, S, hidden)  # o is a view of a [B, S, H, D] buffer
+
+
+def _draw(p, device):
+    return rng.draw_seed(device) if p > 0 else 0
+
+
+class SelectiveAttention(nn.Module):
+    """Self-attention block: qkv Linear, fused attention (keeps q, k, v, o, lse), proj, dropout.
+
+    forward(x [B, S, hidden], attention_mask [B, S] bool, True = attend) -> [B, S, hidden].
+    """
+
+    def __init__(self, hidden_dim, num_heads, dropout=0.0, attn_dropout=0.0, causal=True, bias=True,
+                 softmax_scale=None, device=None, dtype=None):
+        super().__init__()
+        _check_heads(hidden_dim, num_heads)
+        rng.threshold(dropout, "dropout")
+        rng.threshold(attn_dropout, "attn_dropout")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        factory = {"device": device, "dtype": dtype}
+        self.hidden_dim, self.num_heads, self.causal = hidden_dim, num_heads, causal
+        self.dropout, self.attn_dropout, self.softmax_scale = float(dropout), float(attn_dropout), softmax_scale
+        self.qkv = nn.Linear(hidden_dim, 3 * hidden_dim, bias=bias, **factory)
+        self.proj = nn.Linear(hidden_dim, hidden_dim, bias=bias, **factory)
+
+    def forward(self, x, attention_mask=None):
+        _check_input(x, self.hidden_dim, attention_mask)
+        p_attn = self.attn_dropout if self.training else 0.0
+        p = self.dropout if self.training else 0.0
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
+        o = _attend(qkv, self.num_heads, self.causal, p_attn, attention_mask, _draw(p_attn, x.device),
+                    self.softmax_scale)
+        out = F.linear(o, self.proj.weight, self.proj.bias)
+        return ops.dropout(out, p, _draw(p, x.device)) if p > 0 else out
+
+
+class SelectiveMLP(nn.Module):
+    """fc1 -> GELU -> fc2 -> dropout through selective_ckpt.gelu_mlp (keeps fc1 input and output)."""
+
+    def __init__(self, hidden_dim, mlp_ratio=4.0, dropout=0.0, activation="gelu", bias=True, device=None,
+                 dtype=None):
+        super().__init__()
+        _check_positive_int(hidden_dim, "hidden_dim")
+        ffn = _ffn_dim(hidden_dim, mlp_ratio)
+        self.approximate = _check_activation(activation)
+        rng.threshold(dropout, "dropout")
+        self.activation, self.dropout = activation, float(dropout)
+        factory = {"device": device, "dtype": dtype}
+        self.fc1 = nn.Linear(hidden_dim, ffn, bias=bias, **factory)
+        self.fc2 = nn.Linear(ffn, hidden_dim, bias=bias, **factory)
+
+    def forward(self, x):
+        from .mlp import gelu_mlp
+
+        p = self.dropout if self.training else 0.0
+        return gelu_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, dropout_p=p,
+                        approximate=self.approximate, seed=_draw(p, x.device) if p > 0 else None)
+
+
+class SelectiveDecoderLayer(nn.Module):
+    """Pre-LN decoder layer: x1 = x + dropout(proj(attention(qkv(ln1(x))))), y = x1 + gelu_mlp(ln2(x1)).
+
+    `recompute` picks what is kept for backward ("selective", "none", "full"; see the module doc);
+    it can be changed at any time (set_recompute). Under no_grad nothing is kept in any mode.
+    """
+
+    def __init__(self, hidden_dim, num_heads, mlp_ratio=4.0, dropout=0.0, attn_dropout=0.0, causal=True,
+                 activation="gelu", norm_eps=1e-5, bias=True, recompute="selective", device=None, dtype=None):
+        super().__init__()
+        self.head_dim = _check_heads(hidden_dim, num_heads)
+        ffn = _ffn_dim(hidden_dim, mlp_ratio)
+        self.approximate = _check_activation(activation)
+        rng.threshold(dropout, "dropout")
+        rng.threshold(attn_dropout, "attn_dropout")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps > 0:
+            raise ValueError(f"norm_eps must be a positive float, got {norm_eps!r}")
+        if dtype is not None and dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.recompute = recompute
+        self.hidden_dim, self.num_heads, self.causal = hidden_dim, num_heads, causal
+        self.dropout, self.attn_dropout, self.activation = float(dropout), float(attn_dropout), activation
+        self.softmax_scale = None  # None: 1 / sqrt(head_dim); convert() sets GPT-2's layer-wise scale
+        factory = {"device": device, "dtype": dtype}
+        self.ln1 = nn.LayerNorm(hidden_dim, eps=norm_eps, bias=bias, **factory)
+        self.qkv = nn.Linear(hidden_dim, 3 * hidden_dim, bias=bias, **factory)
+        self.proj = nn.Linear(hidden_dim, hidden_dim, bias=bias, **factory)
+        self.ln2 = nn.LayerNorm(hidden_dim, eps=norm_eps, bias=bias, **factory)
+        self.fc1 = nn.Linear(hidden_dim, ffn, bias=bias, **factory)
+        self.fc2 = nn.Linear(ffn, hidden_dim, bias=bias, **factory)
+
+    @property
+    def recompute(self):
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, mode):
+        self._recompute = check_mode(mode)
+
+    def extra_repr(self):
+        return (f"hidden_dim={self.hidden_dim}, num_heads={self.num_heads}, causal={self.causal}, "
+                f"activation={self.activation!r}, dropout={self.dropout}, attn_dropout={self.attn_dropout}, "
+                f"recompute={self.recompute!r}")
+
+    def _dropout_rates(self):
+        return (self.attn_dropout, self.dropout) if self.training else (0.0, 0.0)
+
+    def _draw_seeds(self, device):
+        """Seeds of the three dropout sites (attention probabilities, proj output, MLP output)."""
+        p_attn, p = self._dropout_rates()
+        return _draw(p_attn, device), _draw(p, device), _draw(p, device)
+
+    def forward(self, x, attention_mask=None):
+        """x [B, S, hidden]; attention_mask [B, S] bool (True = attend) or None -> [B, S, hidden]."""
+        _check_input(x, self.hidden_dim, attention_mask)
+        seeds = self._draw_seeds(x.device)
+        if self.recompute == "full" and torch.is_grad_enabled():
+            # Seeds are arguments, so the re-run in backward regenerates the very same masks.
+            return checkpoint(self._block, x, attention_mask, seeds, False, use_reentrant=False,
+                              preserve_rng_state=False)
+        return self._block(x, attention_mask, seeds, self.recompute == "none")
+
+    def _block(self, x, attention_mask, seeds, store):
+        p_attn, p = self._dropout_rates()
+        qkv = norm.ln_linear(x, self.ln1.weight, self.ln1.bias, self.qkv.weight, self.qkv.bias, self.ln1.eps, store)
+        o = _attend(qkv, self.num_heads, self.causal, p_attn, attention_mask, seeds[0], self.softmax_scale)
+        a = F.linear(o, self.proj.weight, self.proj.bias)
+        if p > 0:
+            a = ops.dropout(a, p, seeds[1])
+        x1 = x + a
+        m = norm.ln_mlp(x1, self.ln2.weight, self.ln2.bias, self.fc1.weight, self.fc1.bias, self.fc2.weight,
+                        self.fc2.bias, self.ln2.eps, p, self.approximate, seeds[2], store)
+        return x1 + m
+
+
+def set_recompute(model, mode_or_list, every=None):
+    """Sets `recompute` on every SelectiveDecoderLayer of `model` (in module order); returns the modes.
+
+    - a mode ("selective", "none", "full"): every layer;
+    - a list of modes, one per layer (what selective_ckpt.memory's planner returns);
+    - `every=k` with a mode: "full" on layers 0, k, 2k, ... and that mode on the rest (segment
+      checkpointing: a full layer every k keeps only its input).
+    """
+    layers = [m for m in model.modules() if isinstance(m, SelectiveDecoderLayer)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} contains no SelectiveDecoderLayer (convert it first)")
+    if isinstance(mode_or_list, str):
+        check_mode(mode_or_list)
+        modes = [mode_or_list] * len(layers)
+        if every is not None:
+            _check_positive_int(every, "every")
+            modes = ["full" if i % every == 0 else mode_or_list for i in range(len(layers))]
+    elif isinstance(mode_or_list, (list, tuple)):
+        if every is not None:
+            raise ValueError("every applies to a single mode, not to a list of modes")
+        modes = [check_mode(m) for m in mode_or_list]
+        if len(modes) != len(layers):
+            raise ValueError(f"got {len(modes)} modes for {len(layers)} SelectiveDecoderLayers")
+    else:
+        raise TypeError(f"mode_or_list must be a mode string or a list of modes, got {type(mode_or_list).__name__}")
+    for layer, mode in zip(layers, modes):
+        layer.recompute = mode
+    return modes
+
+
+def analytic_saved_elements(mode, mlp_ratio=4.0):
+    """Elements kept per token and hidden unit (excluding lse and LayerNorm statistics)."""
+    check_mode(mode)
+    if mode == "full":
+        return 1.0
+    kept = 6 + mlp_ratio  # x, q, k, v, o, x1 + fc1 output
+    return kept + (2 + mlp_ratio if mode == "none" else 0)
+
+
+__all__ = ["SelectiveAttention", "SelectiveMLP", "SelectiveDecoderLayer", "set_recompute", "RECOMPUTE_MODES"]
