@@ -119,15 +119,18 @@ void softmax_fwd_rows(T* s, float* lse, const Rows& g) {
 
 // s: raw scores (recomputed), overwritten with the dropped P (for dV = P^T dO).
 // dp: dO V^T, overwritten with scale * P * (dp * keep * keep_scale - delta), the gradient of the
-// raw scores (for dQ = dS K and dK = dS^T Q).
+// raw scores (for dQ = dS K and dK = dS^T Q). delta = sum_j P_ij keep_ij keep_scale dp_ij is taken
+// from the same rounded dp as the rest of the row, as eager softmax backward does, so a row whose
+// P is one-hot gets exactly zero gradient.
 template <class T>
-void softmax_bwd_rows(T* s, T* dp, const float* lse, const float* delta, const Rows& g) {
+void softmax_bwd_rows(T* s, T* dp, const float* lse, const Rows& g) {
   using Acc = typename Elem<T>::Acc;
   const PhiloxKey key(g.seed);
   const int64_t total = g.nh * g.M;
 #pragma omp parallel if (total * g.kc > 32768)
   {
     std::vector<uint8_t> keep(g.kc, 1);
+    std::vector<Acc> pbuf(g.kc), dbuf(g.kc);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < total; ++r) {
       const int64_t h = r / g.M, i = r % g.M, qi = g.row0 + i;
@@ -135,16 +138,23 @@ void softmax_bwd_rows(T* s, T* dp, const float* lse, const float* delta, const R
       T* drow = dp + r * g.kc;
       const int64_t lim = g.limit(qi);
       const Acc row_lse = Acc(lse[h * g.lse_hs + i]);
-      const Acc d = Acc(delta[h * g.lse_hs + i]);
       const Acc scale = Acc(g.scale), ks = g.t16 ? Acc(g.keep_scale) : Acc(1);
       if (g.t16) keep_row(g, key, qi, g.head0 + h, keep.data());
+      Acc delta = 0;
       for (int64_t j = 0; j < g.kc; ++j) {
         // A masked key, or any key of an empty row (lse = +inf), has P = 0 and gradient 0.
-        const Acc p = g.valid(j, lim) ? fast_exp(Elem<T>::load(srow + j) * scale - row_lse) : Acc(0);
-        const Acc kept = keep[j] ? ks : Acc(0);
-        const Acc ds = p * (Elem<T>::load(drow + j) * kept - d);
-        Elem<T>::store(srow + j, p * kept);
-        Elem<T>::store(drow + j, ds * scale);
+        pbuf[j] = g.valid(j, lim) ? Elem<T>::load(srow + j) * scale - row_lse : -INFINITY;
+        dbuf[j] = keep[j] ? Elem<T>::load(drow + j) * ks : Acc(0);
+      }
+#pragma omp simd reduction(+ : delta)
+      for (int64_t j = 0; j < g.kc; ++j) {
+        const Acc p = fast_exp(pbuf[j]);
+        pbuf[j] = p;
+        delta += p * dbuf[j];
+      }
+      for (int64_t j = 0; j < g.kc; ++j) {
+        Elem<T>::store(srow + j, keep[j] ? pbuf[j] * ks : Acc(0));
+        Elem<T>::store(drow + j, pbuf[j] * (dbuf[j] - delta) * scale);
       }
     }
   }
@@ -165,13 +175,13 @@ void attention_softmax_fwd(int dtype, uintptr_t s, uintptr_t lse, int64_t nh, in
   });
 }
 
-void attention_softmax_bwd(int dtype, uintptr_t s, uintptr_t dp, uintptr_t lse, uintptr_t delta, int64_t nh,
+void attention_softmax_bwd(int dtype, uintptr_t s, uintptr_t dp, uintptr_t lse, int64_t nh,
                            int64_t M, int64_t kc, int64_t row0, int64_t head0, int64_t lse_hs, double scale,
                            bool causal, uintptr_t pad, uint64_t seed, uint32_t t16, double keep_scale) {
   const Rows g = make_rows(nh, M, kc, row0, head0, lse_hs, scale, causal, pad, seed, t16, keep_scale);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    softmax_bwd_rows<T>(as_ptr<T>(s), as_ptr<T>(dp), as_ptr<const float>(lse), as_ptr<const float>(delta), g);
+    softmax_bwd_rows<T>(as_ptr<T>(s), as_ptr<T>(dp), as_ptr<const float>(lse), g);
   });
 }
 
@@ -183,7 +193,7 @@ void register_attention(py::module_& m) {
         py::arg("scale"), py::arg("causal"), py::arg("pad"), py::arg("seed"), py::arg("t16"),
         py::arg("keep_scale"), py::call_guard<py::gil_scoped_release>());
   m.def("attention_softmax_bwd", &attention_softmax_bwd, py::arg("dtype"), py::arg("s"), py::arg("dp"),
-        py::arg("lse"), py::arg("delta"), py::arg("nh"), py::arg("M"), py::arg("kc"), py::arg("row0"),
+        py::arg("lse"), py::arg("nh"), py::arg("M"), py::arg("kc"), py::arg("row0"),
         py::arg("head0"), py::arg("lse_hs"), py::arg("scale"), py::arg("causal"), py::arg("pad"),
         py::arg("seed"), py::arg("t16"), py::arg("keep_scale"), py::call_guard<py::gil_scoped_release>());
 }

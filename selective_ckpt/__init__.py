@@ -5,8 +5,9 @@ masks, GELU and LayerNorm outputs are recomputed inside the backward kernels.
 """
 
 from . import rng
+from .attention import attention
 from .mlp import gelu_mlp
 from .ops import dropout
 
-__all__ = ["dropout", "gelu_mlp", "rng"]
+__all__ = ["attention", "dropout", "gelu_mlp", "rng"]
 __version__ = "0.1.0"

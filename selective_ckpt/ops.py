@@ -259,7 +259,7 @@ def _attention_fwd_cpp(q, k, v, o, lse, mask, causal, scale, seed, t16, ks):
             torch.bmm(s, v[b, :, :kc], out=o[b, :, r0:r1])
 
 
-def _attention_bwd_cpp(do, q, k, v, lse, delta, dq, dk, dv, mask, causal, scale, seed, t16, ks):
+def _attention_bwd_cpp(do, q, k, v, lse, dq, dk, dv, mask, causal, scale, seed, t16, ks):
     B, H, Sq, _ = q.shape
     Sk = k.shape[2]
     rows = _attention_chunk_rows(H, Sq, Sk)
@@ -280,8 +280,8 @@ def _attention_bwd_cpp(do, q, k, v, lse, delta, dq, dk, dv, mask, causal, scale,
             qc, doc, kb, vb = q[b, :, r0:r1], do[b, :, r0:r1], k[b, :, :kc], v[b, :, :kc]
             s = torch.bmm(qc, kb.transpose(1, 2))
             dp = torch.bmm(doc, vb.transpose(1, 2))
-            _C.attention_softmax_bwd(code, ptr(s), ptr(dp), ptr(lse[b, :, r0]), ptr(delta[b, :, r0]), H, r1 - r0,
-                                     kc, r0, b * H, Sq, scale, causal, pad, seed, t16, ks)
+            _C.attention_softmax_bwd(code, ptr(s), ptr(dp), ptr(lse[b, :, r0]), H, r1 - r0, kc, r0, b * H, Sq,
+                                     scale, causal, pad, seed, t16, ks)
             # s now holds the dropped P, dp the gradient of the raw scores.
             torch.bmm(dp, kb, out=dq[b, :, r0:r1])
             if single:
@@ -333,14 +333,13 @@ def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     t16, ks, seed = rng.threshold(dropout_p), rng.keep_scale(dropout_p), rng.int64_to_seed(seed)
-    # delta_i = sum_j P_ij dP_ij = rowsum(dO * O), in fp32 (it includes the dropout).
-    delta = (do.float() * o.float()).sum(-1)
-    if backend_for(q) == "cpp":
-        lse = lse.contiguous()
-        _attention_bwd_cpp(do, q, k, v, lse, delta, dq, dk, dv, mask, causal, softmax_scale, seed, t16, ks)
+    if backend_for(q) == "cpp":  # the row kernel takes delta from each row of P and dP
+        _attention_bwd_cpp(do, q, k, v, lse.contiguous(), dq, dk, dv, mask, causal, softmax_scale, seed, t16, ks)
     else:
         from .triton_kernels import attention as tk
 
+        # delta_i = sum_j P_ij dP_ij = rowsum(dO * O), in fp32 (it includes the dropout).
+        delta = (do.float() * o.float()).sum(-1)
         tk.backward(do, q, k, v, lse, delta, dq, dk, dv, mask, causal, softmax_scale, seed, t16, ks)
     return dq, dk, dv
 
