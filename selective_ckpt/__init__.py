@@ -7,7 +7,10 @@ masks, GELU and LayerNorm outputs are recomputed inside the backward kernels.
 from . import rng
 from .attention import attention
 from .mlp import gelu_mlp
+from .convert import convert
+from .layers import SelectiveAttention, SelectiveDecoderLayer, SelectiveMLP, set_recompute
 from .ops import dropout
 
-__all__ = ["attention", "dropout", "gelu_mlp", "rng"]
+__all__ = ["SelectiveAttention", "SelectiveDecoderLayer", "SelectiveMLP", "attention", "convert", "dropout", "gelu_mlp",
+           "rng", "set_recompute"]
 __version__ = "0.1.0"
