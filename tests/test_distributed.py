@@ -39,6 +39,8 @@ def test_ddp_and_fsdp2_match_one_process():
         pytest.fail("torchrun did not finish within 120 s")
     out = proc.stdout + proc.stderr
     if "worker 0 started" not in out or "worker 1 started" not in out:
+        if any(err in out for err in ("ImportError", "ModuleNotFoundError", "SyntaxError", "NameError")):
+            pytest.fail(f"the workers could not import the package: {out[-3000:]}")
         pytest.skip(f"torchrun could not start two gloo workers (rc {proc.returncode}): {out[-600:]}")
     assert proc.returncode == 0, out[-3000:]
     assert "ok selective" in out and "ok full" in out, out[-2000:]
