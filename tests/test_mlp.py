@@ -348,6 +348,22 @@ def test_gelu_kernels_match_torch(backend):
         torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-13)
 
 
+def test_float32_gelu_accuracy(backend):
+    """The float kernels (C++: own exp / erfc polynomials) stay within a few float32 ulps."""
+    x = torch.cat([torch.linspace(-12, 12, 24001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0])])
+    x64 = x.double()
+    tol = 4 * torch.finfo(torch.float32).eps
+    for approximate in ("none", "tanh"):
+        ref = F.gelu(x64, approximate=approximate)
+        xr = x64.clone().requires_grad_(True)
+        (dref,) = torch.autograd.grad(F.gelu(xr, approximate=approximate), xr, torch.ones_like(xr))
+        a = ops.mlp_gelu_op(x, approximate).double()
+        g = torch.ones_like(x)
+        ops.mlp_gelu_backward_op(g, x, approximate)
+        assert ((a - ref).abs() <= tol * ref.abs().clamp_min(1)).all(), approximate
+        assert ((g.double() - dref).abs() <= tol * dref.abs().clamp_min(1)).all(), approximate
+
+
 def test_compiles_fullgraph_on_cpu():
     _, t = make_inputs((2, 6), 8, 16, 4, torch.float32)
 

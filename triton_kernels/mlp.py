@@ -1,6 +1,6 @@
 """Elementwise passes of the GELU-MLP: a = gelu(h) (forward, and the backward's recompute) and the
-in-place g *= gelu'(h). Both GELU forms; tanh is written as 2*sigmoid(2u) - 1 and the erf is
-tl.erf, which both run under the interpreter (no libdevice call).
+in-place g *= gelu'(h). Both GELU forms; the tanh form uses 0.5 (1 + tanh(u)) = sigmoid(2u), so
+no libdevice tanh is needed, and the erf is tl.erf: both run under the interpreter.
 """
 
 import triton
@@ -16,15 +16,17 @@ TANH_CUBIC = tl.constexpr(0.044715)
 
 # Tensors stay on the left of the constexpr constants: the interpreter mishandles constexpr * tensor.
 @triton.jit
-def _tanh(u):
-    return 2.0 * tl.sigmoid(u * 2.0) - 1.0
+def _gate(x, sign):
+    """sigmoid(sign * 2u) with u = sqrt(2/pi) (x + 0.044715 x^3): (1 + tanh(u)) / 2 for sign = 1 and
+    its complement 1 - that for sign = -1, each without cancellation. Clamped so exp cannot overflow."""
+    v = (x + x * x * x * TANH_CUBIC) * SQRT_2_OVER_PI * (2.0 * sign)
+    return tl.sigmoid(tl.minimum(tl.maximum(v, -80.0), 80.0))
 
 
 @triton.jit
 def gelu_value(x, TANH: tl.constexpr):
     if TANH:
-        t = _tanh((x + x * x * x * TANH_CUBIC) * SQRT_2_OVER_PI)
-        return x * 0.5 * (1.0 + t)
+        return x * _gate(x, 1.0)
     else:
         return x * 0.5 * (1.0 + tl.erf(x * INV_SQRT_2))
 
@@ -32,10 +34,10 @@ def gelu_value(x, TANH: tl.constexpr):
 @triton.jit
 def gelu_grad(x, TANH: tl.constexpr):
     if TANH:
-        x2 = x * x
-        t = _tanh((x + x2 * x * TANH_CUBIC) * SQRT_2_OVER_PI)
-        du = (x2 * (3.0 * TANH_CUBIC) + 1.0) * SQRT_2_OVER_PI
-        return (1.0 + t) * 0.5 + x * 0.5 * (1.0 - t * t) * du
+        # d/dx x s(x), s = sigmoid(2u): s + x * 2 s (1 - s) u'
+        s = _gate(x, 1.0)
+        du = (x * x * (3.0 * TANH_CUBIC) + 1.0) * SQRT_2_OVER_PI
+        return s + x * 2.0 * s * _gate(x, -1.0) * du
     else:
         cdf = (1.0 + tl.erf(x * INV_SQRT_2)) * 0.5
         return cdf + x * tl.exp(x * x * -0.5) * INV_SQRT_2PI

@@ -1,0 +1,142 @@
+"""GELU-MLP training step: selective (recompute GELU and the mask) vs store mode vs eager.
+
+Eager is nn.Sequential(Linear, GELU, Linear, Dropout) with the same weights. One step is forward +
+backward with a fixed output gradient. Reports the median step time and the peak bytes the step
+allocates on top of inputs and parameters, with ratios against eager and against store mode.
+
+Peak memory: on CUDA the caching allocator's peak; on CPU the largest total of live storages
+created by the step's ops, sampled after every op (a dispatch-mode tracker that ignores views of
+inputs and parameters; buffers internal to one op are not seen).
+
+    python bench/mlp.py --tokens 2048 --d-in 512 --hidden 2048
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from selective_ckpt import gelu_mlp
+
+
+class PeakTracker(TorchDispatchMode):
+    """Peak total size of storages produced by ops while active and still alive after an op."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}  # inputs, parameters
+        self.live = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata in self.existing:  # a view of an input or parameter
+                    continue
+                self.live.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def make_eager(d_in, hidden, p, approximate, dtype, device):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(approximate=approximate), nn.Linear(hidden, d_in),
+                         nn.Dropout(p)).to(device=device, dtype=dtype)
+
+
+def step_fn(kind, model, x, dy, p, approximate):
+    fc1, fc2 = model[0], model[2]
+
+    def step():
+        for prm in model.parameters():
+            prm.grad = None
+        x.grad = None
+        if kind == "eager":
+            y = model(x)
+        else:
+            y = gelu_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, p, approximate, seed=1234,
+                         store_activation=kind == "store")
+        y.backward(dy)
+
+    return step
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(steps, device, repeats, warmup=2):
+    """Median seconds per step of each variant, the variants interleaved so drift hits all alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    sync(device)
+    times = {kind: [] for kind in steps}
+    for _ in range(repeats):
+        for kind, step in steps.items():
+            start = time.perf_counter()
+            step()
+            sync(device)
+            times[kind].append(time.perf_counter() - start)
+    return {kind: statistics.median(t) for kind, t in times.items()}
+
+
+def peak_bytes(step, device, existing):
+    step()  # warm up lazy state so it is not counted
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step()
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    tracker = PeakTracker(existing)
+    with tracker:
+        step()
+    return tracker.peak
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--d-in", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--approximate", choices=["none", "tanh"], default="none")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model = make_eager(args.d_in, args.hidden, args.dropout, args.approximate, dtype, device)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(args.tokens, args.d_in, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+    dy = torch.randn(args.tokens, args.d_in, generator=g).to(device=device, dtype=dtype)
+
+    print(f"GELU-MLP step, tokens={args.tokens} in={args.d_in} hidden={args.hidden} p={args.dropout} "
+          f"gelu={args.approximate} {args.dtype} on {device} ({torch.get_num_threads()} threads)")
+    steps = {kind: step_fn(kind, model, x, dy, args.dropout, args.approximate)
+             for kind in ("eager", "store", "selective")}
+    times = time_steps(steps, device, args.repeats)
+    results = {kind: (times[kind], peak_bytes(step, device, [x, dy, *model.parameters()]))
+               for kind, step in steps.items()}
+    t_e, m_e = results["eager"]
+    t_s, m_s = results["store"]
+    for kind, (t, m) in results.items():
+        print(f"  {kind:9s} step {t * 1e3:8.2f} ms  peak {m / 2**20:8.2f} MiB  "
+              f"time/eager {t / t_e:5.3f}  time/store {t / t_s:5.3f}  peak/eager {m / m_e:5.3f}  "
+              f"peak/store {m / m_s:5.3f}")
+
+
+if __name__ == "__main__":
+    main()
