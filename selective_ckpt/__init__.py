@@ -4,7 +4,7 @@ Attention keeps q, k, v, o and the row logsumexp; the MLP keeps its fc1 output; 
 masks, GELU and LayerNorm outputs are recomputed inside the backward kernels.
 """
 
-from . import rng
+from . import memory, rng
 from .attention import attention
 from .mlp import gelu_mlp
 from .convert import convert
@@ -12,5 +12,5 @@ from .layers import SelectiveAttention, SelectiveDecoderLayer, SelectiveMLP, set
 from .ops import dropout
 
 __all__ = ["SelectiveAttention", "SelectiveDecoderLayer", "SelectiveMLP", "attention", "convert", "dropout", "gelu_mlp",
-           "rng", "set_recompute"]
+           "memory", "rng", "set_recompute"]
 __version__ = "0.1.0"
