@@ -370,7 +370,7 @@ def test_compiles_fullgraph_on_cpu():
     def step(x, w1, b1, w2, b2):
         return gelu_mlp(x, w1, b1, w2, b2, 0.17, "tanh", 1234)
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(step, fullgraph=True)  # inductor: the custom ops stay opaque calls
     args = [t[n] for n in NAMES]
     y_c = compiled(*args)
     dy = torch.randn_like(y_c)
