@@ -1,0 +1,156 @@
+"""The main job `python -m selective_ckpt.bench` and the one-shot GPU script bench/gpu.sh.
+
+The quick config runs as a user would run it (a subprocess); its kept-bytes column is checked
+against memory.estimate and against hand counts of the eager rows, not against the ledger itself.
+"""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from selective_ckpt import bench, memory
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "selective_ckpt.bench", "--quick", "--device", "cpu", "--out", str(out)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    return proc, out, rows
+
+
+def test_quick_run_prints_the_table_and_writes_csv(quick_run):
+    proc, out, rows = quick_run
+    cfg = bench.CONFIGS["quick"]
+    for label in bench.ROW_LABELS.values():
+        assert proc.stdout.count(label) == len(cfg["seqs"]), label
+    assert "selective keeps" in proc.stdout
+    assert {(int(r["seq"]), r["row"]) for r in rows} == {(s, k) for s in cfg["seqs"] for k in bench.ROWS}
+    assert len(rows) == len(cfg["seqs"]) * len(bench.ROWS)
+    # progress on stderr: the bar (tqdm) or plain lines
+    assert "ledger" in proc.stderr
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in proc.stdout
+    else:
+        assert (out / "kept_memory.png").stat().st_size > 0 and (out / "step_time.png").stat().st_size > 0
+
+
+def test_quick_run_kept_bytes_match_independent_counts(quick_run):
+    _, _, rows = quick_run
+    cfg = bench.CONFIGS["quick"]
+    h, a, b, e = cfg["hidden"], cfg["heads"], cfg["batch"], 4
+    for r in rows:
+        s, kept = int(r["seq"]), int(r["kept_bytes_per_layer"])
+        t = s * b
+        if r["row"] in memory.MODES:
+            assert kept == memory.estimate(h, a, s, b, torch.float32, recompute=r["row"]), r
+        elif r["row"] == "eager-ckpt":
+            assert kept == t * h * e  # the checkpointed layer's input only
+        elif r["row"] == "eager-sac":
+            # input + in_proj (3h) + scores [B*a, S, S] + attn@v + out_proj + fc1 (4h) + fc2 outputs
+            assert kept == (t * h * (1 + 3 + 1 + 1 + 4 + 1) + b * a * s * s) * e, r
+        else:  # eager: see test_memory's hand count of nn.MultiheadAttention's math path
+            assert kept == (t * h * 17 + b * a * s * s) * e + 2 * 2 * t * 4, r
+
+
+def test_quick_run_ratios_and_budget_columns(quick_run):
+    _, _, rows = quick_run
+    by = {(r["seq"], r["row"]): r for r in rows}
+    for r in rows:
+        eager, none = by[(r["seq"], "eager")], by[(r["seq"], "none")]
+        step = float(r["step_s"])
+        assert step > 0 and float(r["step_s_min"]) <= step
+        assert float(r["time_vs_eager"]) == pytest.approx(step / float(eager["step_s"]))
+        assert float(r["time_vs_none"]) == pytest.approx(step / float(none["step_s"]))
+        assert float(r["kept_vs_eager"]) == pytest.approx(int(r["kept_bytes_per_layer"]) / int(eager["kept_bytes_per_layer"]))
+        assert int(r["peak_bytes"]) > 0
+        assert int(r["model_kept_bytes"]) == int(r["model_layers"]) * int(r["kept_bytes_per_layer"])
+        assert int(r["budget_bytes"]) == bench.CPU_BUDGET
+    for seq in {r["seq"] for r in rows}:
+        mb = {k: int(by[(seq, k)]["max_batch"]) for k in bench.ROWS}
+        assert mb["full"] > mb["selective"] > mb["none"] >= 1
+        assert mb["eager-ckpt"] > mb["eager"] >= 1
+
+
+def test_help_documents_every_flag():
+    proc = subprocess.run([sys.executable, "-m", "selective_ckpt.bench", "--help"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    actions = [a for a in bench.build_parser()._actions if a.option_strings]
+    assert len(actions) > 15
+    for action in actions:
+        assert action.help, action.option_strings
+        for opt in action.option_strings:
+            assert opt in proc.stdout, opt
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--rows", "eager,bogus"], "rows must be"),
+    (["--seq", "0,128"], "positive ints"),
+    (["--budget", "lots"], "--budget must be"),
+    (["--budget", "120%"], "percentage"),
+])
+def test_bad_flags_are_argparse_errors(argv, match, capsys):
+    with pytest.raises(SystemExit) as err:
+        bench.build_parser().parse_args(argv)
+    assert err.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bad_configs_are_clear_errors():
+    parser = bench.build_parser()
+    with pytest.raises(SystemExit, match="divisible"):
+        bench.resolve_config(parser.parse_args(["--device", "cpu", "--hidden", "100", "--heads", "3"]))
+    with pytest.raises(SystemExit, match="percentage needs --device cuda"):
+        bench.resolve_config(parser.parse_args(["--device", "cpu", "--budget", "50%"]))
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA device"):
+            bench.resolve_config(parser.parse_args(["--device", "cuda"]))
+
+
+def test_parse_budget_units():
+    assert bench.parse_budget("8GiB") == (8 * 2**30, None)
+    assert bench.parse_budget("80GB") == (80 * 10**9, None)
+    assert bench.parse_budget("12e9") == (12 * 10**9, None)
+    assert bench.parse_budget("1536") == (1536, None)
+    assert bench.parse_budget("80%") == (None, 0.8)
+
+
+def test_default_configs_follow_the_issue():
+    cpu, cuda = bench.CONFIGS["cpu"], bench.CONFIGS["cuda"]
+    assert (cpu["hidden"], cpu["heads"], tuple(cpu["seqs"])) == (512, 8, (256, 512, 1024)) and 2 <= cpu["layers"] <= 4
+    assert (cuda["hidden"], cuda["heads"], tuple(cuda["seqs"]), cuda["dtype"]) == (4096, 32, (2048, 4096, 8192), "bf16")
+    assert bench.MODEL_LAYERS == 32
+
+
+def test_gpu_script_syntax_and_dry_run(tmp_path):
+    script = ROOT / "bench" / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    env = _env() | {"PYTHON": sys.executable, "OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", str(script), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for step in ("install", "cuda-tests", "attention", "main-job"):
+        assert f"[dry-run] {step}" in proc.stdout
+    assert "-m pytest -m cuda" in proc.stdout and "selective_ckpt.bench --device cuda" in proc.stdout
+    assert "sweep parser ok" in proc.stdout and "dry-selfcheck   ok" in proc.stdout
+    bad = subprocess.run(["bash", str(script), "--bogus"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown argument" in bad.stderr
