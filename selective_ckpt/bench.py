@@ -109,15 +109,27 @@ def _positive(text):
     return v
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows a flag's default unless its help already explains it; keeps the epilog as written."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        default = ",".join(action.default) if isinstance(action.default, list) else action.default
+        return f"{text} (default: {default})"
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m selective_ckpt.bench",
-        description="Activation memory (saved-tensor ledger), step peak memory and step time of the seeds' eager "
-                    "decoder layer (plain, under torch checkpoint, under selective checkpointing of matmuls) and of "
-                    "SelectiveDecoderLayer (recompute none / selective / full). Defaults depend on --device: "
-                    "CPU h=512 a=8 2 layers B=2 seq 256,512,1024 fp32; CUDA the 7B layer h=4096 a=32 1 layer "
-                    "B=1 seq 2048,4096,8192 bf16.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description="Activation memory (saved-tensor ledger), step peak memory and step time of the seeds'\n"
+                    "eager decoder layer (plain, under torch checkpoint, under selective checkpointing of matmuls)\n"
+                    "and of SelectiveDecoderLayer (recompute none / selective / full). Defaults depend on --device:\n"
+                    "cpu h=512 a=8, 2 layers, B=2, seq 256,512,1024, fp32, 5 timed steps after 1 warm-up;\n"
+                    "cuda the 7B layer h=4096 a=32, 1 layer, B=1, seq 2048,4096,8192, bf16, 10 after 3.",
+        epilog=__doc__[__doc__.index("Rows, measured"):],
+        formatter_class=_HelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where to run (default: cuda when available, else cpu)")
     p.add_argument("--quick", action="store_true", help="tiny CPU config for tests: h=128 a=4 1 layer seq 64,128")
@@ -129,9 +141,11 @@ def build_parser():
     p.add_argument("--seq", type=_int_list, default=None, help="comma-separated sequence lengths (default per device)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="parameter and activation dtype (default: fp32 on cpu, bf16 on cuda)")
-    p.add_argument("--repeats", type=_positive, default=None, help="timed steps per row (median reported)")
+    p.add_argument("--repeats", type=_positive, default=None,
+                   help="timed steps per row, median reported (default per device)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps per row before timing (on cpu the first one runs under the memory tracker)")
+                   help="untimed steps per row before timing; on cpu the first one runs under the memory tracker "
+                        "(default per device)")
     p.add_argument("--rows", type=_row_list, default=list(ROWS), help="comma-separated rows to run: " + ",".join(ROWS))
     p.add_argument("--model-layers", type=_positive, default=MODEL_LAYERS,
                    help="depth L of the model the max-batch and model-memory columns are projected to")
@@ -412,9 +426,9 @@ def summary(results):
     return "\n".join(lines)
 
 
-CSV_FIELDS = ("device", "dtype", "hidden", "heads", "mlp_ratio", "layers", "batch", "seq", "row", "kept_bytes_per_layer",
-              "kept_vs_eager", "model_layers", "model_kept_bytes", "peak_bytes", "step_s", "step_s_min",
-              "time_vs_eager", "time_vs_none", "param_bytes_per_layer", "budget_bytes", "max_batch")
+CSV_FIELDS = ("device", "dtype", "hidden", "heads", "mlp_ratio", "layers", "batch", "seq", "row",
+              "kept_bytes_per_layer", "kept_vs_eager", "model_layers", "model_kept_bytes", "peak_bytes", "step_s",
+              "step_s_min", "time_vs_eager", "time_vs_none", "param_bytes_per_layer", "budget_bytes", "max_batch")
 
 
 def write_csv(results, cfg, path):

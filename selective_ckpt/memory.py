@@ -96,8 +96,8 @@ class LedgerReport:
 
     def table(self) -> str:
         head = ("layer", "module", "op", "grad_fn", "shape", "dtype", "views", "bytes")
-        rows = [(e.layer, e.module, e.op, e.grad_fn, "x".join(map(str, e.shape)) or "scalar", str(e.dtype).replace("torch.", ""),
-                 str(e.views), str(e.bytes)) for e in self.entries]
+        rows = [(e.layer, e.module, e.op, e.grad_fn, "x".join(map(str, e.shape)) or "scalar",
+                 str(e.dtype).replace("torch.", ""), str(e.views), str(e.bytes)) for e in self.entries]
         pad = ("",) * (len(head) - 2)
         rows.append(("total", *pad, f"{self.total} ({format_bytes(self.total)})"))
         layers = self.by_layer
@@ -105,7 +105,8 @@ class LedgerReport:
             rows += [("",) * len(head)]
             rows += [(f"layer {k}", *pad, f"{v} ({format_bytes(v)})") for k, v in layers.items()]
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        fmt = lambda r: "  ".join(c.rjust(w) if i == len(r) - 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        last = len(head) - 1
+        fmt = lambda r: "  ".join(c.rjust(w) if i == last else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
         return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows])
 
     __str__ = table
@@ -627,7 +628,7 @@ def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes
     (kept, work), (cost, choice) = min(states.items(), key=lambda kv: (kv[1][0], kv[0][0] + kv[0][1]))
     out = [None] * len(shapes)
     order = [m for m in ("full", "selective", "none") if m in modes]
-    for (shape, idx), counts in zip(groups.items(), choice):
+    for idx, counts in zip(groups.values(), choice):
         per_mode = dict(zip(modes, counts))
         seq = [m for m in order for _ in range(per_mode[m])]
         for i, m in zip(idx, seq):

@@ -27,8 +27,8 @@ def _env():
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run([sys.executable, "-m", "selective_ckpt.bench", "--quick", "--device", "cpu", "--out", str(out)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "selective_ckpt.bench", "--quick", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
@@ -80,7 +80,8 @@ def test_quick_run_ratios_and_budget_columns(quick_run):
         assert step > 0 and float(r["step_s_min"]) <= step
         assert float(r["time_vs_eager"]) == pytest.approx(step / float(eager["step_s"]))
         assert float(r["time_vs_none"]) == pytest.approx(step / float(none["step_s"]))
-        assert float(r["kept_vs_eager"]) == pytest.approx(int(r["kept_bytes_per_layer"]) / int(eager["kept_bytes_per_layer"]))
+        kept, kept_eager = int(r["kept_bytes_per_layer"]), int(eager["kept_bytes_per_layer"])
+        assert float(r["kept_vs_eager"]) == pytest.approx(kept / kept_eager)
         assert int(r["peak_bytes"]) > 0
         assert int(r["model_kept_bytes"]) == int(r["model_layers"]) * int(r["kept_bytes_per_layer"])
         assert int(r["budget_bytes"]) == bench.CPU_BUDGET

@@ -317,7 +317,7 @@ def test_plan_max_batch_per_uniform_mode():
     seq, n, budget = 64, 4, 3 * 2**20
     p = memory.plan(dict(SHAPE, num_layers=n), 1, seq, budget)
     for mode, b in p.max_batch.items():
-        def peak(batch):
+        def peak(batch, mode=mode):
             per = memory.estimate(64, 4, seq, batch, torch.bfloat16, recompute=mode)
             rerun = memory.estimate(64, 4, seq, batch, torch.bfloat16) - per if mode == "full" else 0
             return n * per + rerun
