@@ -243,6 +243,14 @@ def _attention_out(q):
     return torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
 
 
+def _bmm_into(dst, a, b):
+    """dst = a @ b (batched); bmm's out= is slow on strided outputs, so those get a copy."""
+    if dst.is_contiguous():
+        torch.bmm(a, b, out=dst)
+    else:
+        dst.copy_(torch.bmm(a, b))
+
+
 def _attention_fwd_cpp(q, k, v, o, lse, mask, causal, scale, seed, t16, ks):
     B, H, Sq, _ = q.shape
     Sk = k.shape[2]
@@ -256,7 +264,7 @@ def _attention_fwd_cpp(q, k, v, o, lse, mask, causal, scale, seed, t16, ks):
             s = torch.bmm(q[b, :, r0:r1], k[b, :, :kc].transpose(1, 2))
             _C.attention_softmax_fwd(code, ptr(s), ptr(lse[b, :, r0]), H, r1 - r0, kc, r0, b * H, Sq, scale,
                                      causal, pad, seed, t16, ks)
-            torch.bmm(s, v[b, :, :kc], out=o[b, :, r0:r1])
+            _bmm_into(o[b, :, r0:r1], s, v[b, :, :kc])
 
 
 def _attention_bwd_cpp(do, q, k, v, lse, dq, dk, dv, mask, causal, scale, seed, t16, ks):
@@ -283,16 +291,13 @@ def _attention_bwd_cpp(do, q, k, v, lse, dq, dk, dv, mask, causal, scale, seed, 
             _C.attention_softmax_bwd(code, ptr(s), ptr(dp), ptr(lse[b, :, r0]), H, r1 - r0, kc, r0, b * H, Sq,
                                      scale, causal, pad, seed, t16, ks)
             # s now holds the dropped P, dp the gradient of the raw scores.
-            torch.bmm(dp, kb, out=dq[b, :, r0:r1])
+            _bmm_into(dq[b, :, r0:r1], dp, kb)
             if single:
-                torch.bmm(s.transpose(1, 2), doc, out=dv_acc[:, :kc])
-                torch.bmm(dp.transpose(1, 2), qc, out=dk_acc[:, :kc])
+                _bmm_into(dv_acc[:, :kc], s.transpose(1, 2), doc)
+                _bmm_into(dk_acc[:, :kc], dp.transpose(1, 2), qc)
                 if kc < Sk:
                     dv_acc[:, kc:].zero_()
                     dk_acc[:, kc:].zero_()
-            elif acc_dtype == q.dtype:
-                dv_acc[:, :kc].baddbmm_(s.transpose(1, 2), doc)
-                dk_acc[:, :kc].baddbmm_(dp.transpose(1, 2), qc)
             else:
                 dv_acc[:, :kc] += torch.bmm(s.transpose(1, 2), doc)
                 dk_acc[:, :kc] += torch.bmm(dp.transpose(1, 2), qc)
