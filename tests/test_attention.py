@@ -85,6 +85,7 @@ CPP_CASES = [
     (2, 1, 17, 17, 128, True, 0.0, True, True),
     (1, 2, 77, 203, 16, True, 0.17, False, False),
     (2, 4, 1, 77, 64, False, 0.17, True, False),
+    (1, 2, 113, 77, 80, True, 0.17, True, False),
 ]
 
 
@@ -102,7 +103,8 @@ TRITON_CASES = [
     (2, 2, 17, 33, 16, False, 0.17, True, True, torch.float32),
     (1, 2, 33, 33, 24, True, 0.17, False, False, torch.float32),
     (2, 1, 33, 9, 16, False, 0.17, True, False, torch.bfloat16),
-    (1, 2, 20, 20, 24, True, 0.0, True, False, torch.float16),
+    (1, 2, 20, 33, 24, True, 0.0, True, False, torch.float16),
+    (2, 1, 33, 17, 16, True, 0.17, False, False, torch.float32),
     (1, 1, 1, 5, 16, False, 0.0, False, False, torch.bfloat16),
 ]
 
