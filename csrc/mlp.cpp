@@ -10,6 +10,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "bindings.h"
 #include "dtypes.h"
@@ -120,45 +125,104 @@ inline double gelu_grad_d(double x, bool tanh_form) {
   return 0.5 * std::erfc(-x * kInvSqrt2) + x * kInvSqrt2Pi * std::exp(-0.5 * x * x);
 }
 
-// One loop body per (dtype, form); the cloned functions below instantiate them per target.
-template <class T, bool kTanh>
-inline void gelu_span(const T* __restrict h, T* __restrict a, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) Elem<T>::store(a + i, gelu_f<kTanh>(Elem<T>::load(h + i)));
-}
-
-template <class T, bool kTanh>
-inline void gelu_backward_span(T* g, const T* __restrict h, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    Elem<T>::store(g + i, Elem<T>::load(g + i) * gelu_grad_f<kTanh>(Elem<T>::load(h + i)));
+// The float loops, compiled per target; every dtype but float64 computes through them.
+SCKPT_CLONES void gelu_floats(const float* __restrict h, float* __restrict a, int64_t n, bool tanh_form) {
+  if (tanh_form) {
+    for (int64_t i = 0; i < n; ++i) a[i] = gelu_f<true>(h[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) a[i] = gelu_f<false>(h[i]);
   }
 }
 
-#define SCKPT_GELU_SPANS(NAME, T)                                                           \
-  SCKPT_CLONES void gelu_##NAME(const T* h, T* a, int64_t n, bool tanh_form) {              \
-    if (tanh_form) gelu_span<T, true>(h, a, n); else gelu_span<T, false>(h, a, n);          \
-  }                                                                                          \
-  SCKPT_CLONES void gelu_backward_##NAME(T* g, const T* h, int64_t n, bool tanh_form) {     \
-    if (tanh_form) gelu_backward_span<T, true>(g, h, n);                                     \
-    else gelu_backward_span<T, false>(g, h, n);                                              \
+SCKPT_CLONES void gelu_grad_floats(float* __restrict g, const float* __restrict h, int64_t n, bool tanh_form) {
+  if (tanh_form) {
+    for (int64_t i = 0; i < n; ++i) g[i] *= gelu_grad_f<true>(h[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) g[i] *= gelu_grad_f<false>(h[i]);
   }
-
-SCKPT_GELU_SPANS(f32, float)
-SCKPT_GELU_SPANS(f16, _Float16)
-SCKPT_GELU_SPANS(bf16, bf16)
-
-void gelu_span_any(const float* h, float* a, int64_t n, bool t) { gelu_f32(h, a, n, t); }
-void gelu_span_any(const _Float16* h, _Float16* a, int64_t n, bool t) { gelu_f16(h, a, n, t); }
-void gelu_span_any(const bf16* h, bf16* a, int64_t n, bool t) { gelu_bf16(h, a, n, t); }
-void gelu_span_any(const double* h, double* a, int64_t n, bool t) {
-  for (int64_t i = 0; i < n; ++i) a[i] = gelu_d(h[i], t);
 }
-void gelu_backward_span_any(float* g, const float* h, int64_t n, bool t) { gelu_backward_f32(g, h, n, t); }
-void gelu_backward_span_any(_Float16* g, const _Float16* h, int64_t n, bool t) {
-  gelu_backward_f16(g, h, n, t);
+
+// 16-bit <-> float for a block. float16 uses the F16C instructions where the CPU has them (the
+// compiler emits scalar library calls for _Float16 otherwise); both round to nearest even.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("avx2,f16c"))) void f16_to_float_f16c(const _Float16* s, float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  }
+  for (; i < n; ++i) d[i] = float(s[i]);
 }
-void gelu_backward_span_any(bf16* g, const bf16* h, int64_t n, bool t) { gelu_backward_bf16(g, h, n, t); }
-void gelu_backward_span_any(double* g, const double* h, int64_t n, bool t) {
-  for (int64_t i = 0; i < n; ++i) g[i] *= gelu_grad_d(h[i], t);
+
+__attribute__((target("avx2,f16c"))) void float_to_f16_f16c(const float* s, _Float16* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i v = _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), v);
+  }
+  for (; i < n; ++i) d[i] = _Float16(s[i]);
+}
+
+const bool kHasF16C = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+const bool kHasF16C = false;
+void f16_to_float_f16c(const _Float16*, float*, int64_t) {}
+void float_to_f16_f16c(const float*, _Float16*, int64_t) {}
+#endif
+
+template <class T>
+void to_floats(const T* s, float* d, int64_t n) {
+  if constexpr (std::is_same_v<T, _Float16>) {
+    if (kHasF16C) return f16_to_float_f16c(s, d, n);
+  }
+  for (int64_t i = 0; i < n; ++i) d[i] = Elem<T>::load(s + i);
+}
+
+template <class T>
+void from_floats(const float* s, T* d, int64_t n) {
+  if constexpr (std::is_same_v<T, _Float16>) {
+    if (kHasF16C) return float_to_f16_f16c(s, d, n);
+  }
+  for (int64_t i = 0; i < n; ++i) Elem<T>::store(d + i, s[i]);
+}
+
+constexpr int64_t kBlock = 512;  // floats staged per step for 16-bit types (on the stack)
+
+// a = gelu(h) over n elements of T; the forward and the backward's recompute both run this, so
+// storing a and recomputing it give the same bits.
+template <class T>
+void gelu_span(const T* h, T* a, int64_t n, bool tanh_form) {
+  if constexpr (std::is_same_v<T, double>) {
+    for (int64_t i = 0; i < n; ++i) a[i] = gelu_d(h[i], tanh_form);
+  } else if constexpr (std::is_same_v<T, float>) {
+    gelu_floats(h, a, n, tanh_form);
+  } else {
+    float hb[kBlock], ab[kBlock];
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t len = n - b < kBlock ? n - b : kBlock;
+      to_floats(h + b, hb, len);
+      gelu_floats(hb, ab, len, tanh_form);
+      from_floats(ab, a + b, len);
+    }
+  }
+}
+
+// g *= gelu'(h) in place over n elements of T.
+template <class T>
+void gelu_backward_span(T* g, const T* h, int64_t n, bool tanh_form) {
+  if constexpr (std::is_same_v<T, double>) {
+    for (int64_t i = 0; i < n; ++i) g[i] *= gelu_grad_d(h[i], tanh_form);
+  } else if constexpr (std::is_same_v<T, float>) {
+    gelu_grad_floats(g, h, n, tanh_form);
+  } else {
+    float gb[kBlock], hb[kBlock];
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t len = n - b < kBlock ? n - b : kBlock;
+      to_floats(g + b, gb, len);
+      to_floats(h + b, hb, len);
+      gelu_grad_floats(gb, hb, len, tanh_form);
+      from_floats(gb, g + b, len);
+    }
+  }
 }
 
 // Threads take fixed chunks; each element's result does not depend on the split.
@@ -180,7 +244,7 @@ void mlp_gelu(int dtype, uintptr_t h, uintptr_t a, int64_t n, int approximate) {
     using T = decltype(tag);
     const T* hp = as_ptr<const T>(h);
     T* ap = as_ptr<T>(a);
-    for_chunks(n, [&](int64_t begin, int64_t len) { gelu_span_any(hp + begin, ap + begin, len, approximate == 1); });
+    for_chunks(n, [&](int64_t begin, int64_t len) { gelu_span<T>(hp + begin, ap + begin, len, approximate == 1); });
   });
 }
 
@@ -191,7 +255,7 @@ void mlp_gelu_backward(int dtype, uintptr_t grad, uintptr_t h, int64_t n, int ap
     T* gp = as_ptr<T>(grad);
     const T* hp = as_ptr<const T>(h);
     for_chunks(n, [&](int64_t begin, int64_t len) {
-      gelu_backward_span_any(gp + begin, hp + begin, len, approximate == 1);
+      gelu_backward_span<T>(gp + begin, hp + begin, len, approximate == 1);
     });
   });
 }

@@ -364,6 +364,31 @@ def test_float32_gelu_accuracy(backend):
         assert ((g.double() - dref).abs() <= tol * dref.abs().clamp_min(1)).all(), approximate
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_gelu_rounding(dtype, backend):
+    """16-bit kernels (staged through float, F16C on CPU) give the float64 result rounded, +-1 ulp."""
+    x = torch.linspace(-9, 9, 4099, dtype=torch.float64).to(dtype)  # odd length: vector tails
+    x64 = x.double()
+    u = (x64 + 0.044715 * x64**3) * (2 / torch.pi) ** 0.5
+    # Tail-accurate float64 references (1 + erf(x) cancels to 0 in F.gelu's float64 for x < -8).
+    exact = {"none": x64 * 0.5 * torch.special.erfc(-x64 / 2**0.5), "tanh": x64 * torch.sigmoid(2 * u)}
+    for approximate in ("none", "tanh"):
+        want = exact[approximate]
+        a = ops.mlp_gelu_op(x, approximate).double()
+        # eps * |a| plus the subnormal spacing; Triton's 0.5 (1 + erf) in float32 (the eager formula)
+        # also carries float32's absolute error in the left tail, where the C++ erfc form does not.
+        info = torch.finfo(dtype)
+        ulp = info.eps * want.abs() + info.eps * info.tiny
+        if backend == "triton":
+            ulp = ulp + 2 * torch.finfo(torch.float32).eps * x64.abs()
+        assert ((a - want).abs() <= ulp).all(), approximate
+        g = torch.full_like(x, 0.75)
+        ops.mlp_gelu_backward_op(g, x, approximate)
+        xr = x.double().requires_grad_(True)
+        (dwant,) = torch.autograd.grad(F.gelu(xr, approximate=approximate), xr, torch.full_like(xr, 0.75))
+        assert ((g.double() - dwant).abs() <= torch.finfo(dtype).eps * dwant.abs().clamp_min(1e-3)).all()
+
+
 def test_compiles_fullgraph_on_cpu():
     _, t = make_inputs((2, 6), 8, 16, 4, torch.float32)
 
