@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .convert import INTERPRETED, to_compute, to_storage
+from .convert import INTERPRETED, to_storage
 from .philox import attention_keep
 
 LOG2E = 1.4426950408889634
@@ -42,7 +42,7 @@ def _valid(rows, cols, mask_row, Sk, CAUSAL: tl.constexpr, HAS_MASK: tl.constexp
 
 
 @triton.jit(do_not_specialize=["k0", "k1", "t16"])
-def _fwd_kernel(Q, K, V, O, LSE, MASK, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+def _fwd_kernel(Q, K, V, Out, LSE, MASK, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
                 H, Sq, Sk, D, scale_log2, k0, k1, t16, keep_scale,
                 CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -89,8 +89,8 @@ def _fwd_kernel(Q, K, V, O, LSE, MASK, sqb, sqh, sqs, skb, skh, sks, svb, svh, s
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    tl.store(O + b * sob + h * soh + rows.to(tl.int64)[:, None] * sos + dims[None, :],
-             to_storage(o, O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(Out + b * sob + h * soh + rows.to(tl.int64)[:, None] * sos + dims[None, :],
+             to_storage(o, Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     tl.store(LSE + bh.to(tl.int64) * Sq + rows, lse, mask=row_ok)
 
 
