@@ -162,7 +162,11 @@ __attribute__((target("avx2,f16c"))) void float_to_f16_f16c(const float* s, _Flo
   for (; i < n; ++i) d[i] = _Float16(s[i]);
 }
 
-const bool kHasF16C = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+bool cpu_has_f16c() {
+  __builtin_cpu_init();  // this runs from a static initialiser, possibly before libgcc's own
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+const bool kHasF16C = cpu_has_f16c();
 #else
 const bool kHasF16C = false;
 void f16_to_float_f16c(const _Float16*, float*, int64_t) {}
@@ -244,7 +248,9 @@ void mlp_gelu(int dtype, uintptr_t h, uintptr_t a, int64_t n, int approximate) {
     using T = decltype(tag);
     const T* hp = as_ptr<const T>(h);
     T* ap = as_ptr<T>(a);
-    for_chunks(n, [&](int64_t begin, int64_t len) { gelu_span<T>(hp + begin, ap + begin, len, approximate == 1); });
+    for_chunks(n, [&](int64_t begin, int64_t len) {
+      gelu_span<T>(hp + begin, ap + begin, len, approximate == 1);
+    });
   });
 }
 
