@@ -60,8 +60,9 @@ def grads(y, t, dy):
     return {n: next(it) for n in NAMES if t[n] is not None}
 
 
-def check_against_reference(lead, d_in, hidden, d_out, dtype, approximate, p, bias=True, seed=7, dy_kind="randn"):
-    ref, low = make_inputs(lead, d_in, hidden, d_out, dtype, bias=bias)
+def check_against_reference(lead, d_in, hidden, d_out, dtype, approximate, p, bias=True, seed=7, dy_kind="randn",
+                            input_seed=0):
+    ref, low = make_inputs(lead, d_in, hidden, d_out, dtype, bias=bias, seed=input_seed)
     eager_in = {k: v.detach().clone().requires_grad_(True) if v is not None else None for k, v in low.items()}
     y = ours(low, p, approximate, seed)
     y_eager = eager_mlp(eager_in, p, approximate, seed)
@@ -72,13 +73,13 @@ def check_against_reference(lead, d_in, hidden, d_out, dtype, approximate, p, bi
         torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
 
     g = torch.Generator().manual_seed(seed + 1)
-    dy64 = torch.randn(*lead, d_out, generator=g, dtype=torch.float64).to(dtype).double()
     if dy_kind == "sum":  # what .sum().backward() hands over: an expanded (stride-0) ones tensor
         dy64 = torch.ones((), dtype=torch.float64).expand(*lead, d_out)
-    dy = dy64.to(dtype)
-    if dy_kind == "sum":
         dy = torch.ones((), dtype=dtype).expand(*lead, d_out)
         assert dy.stride() == (0,) * dy.dim()
+    else:
+        dy64 = torch.randn(*lead, d_out, generator=g, dtype=torch.float64).to(dtype).double()
+        dy = dy64.to(dtype)
     if dy_kind == "noncontiguous":
         dy = torch.empty(*lead, 2 * d_out, dtype=dtype)[..., ::2].copy_(dy)
         assert not dy.is_contiguous()
