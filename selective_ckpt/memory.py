@@ -3,9 +3,10 @@ and which recompute mode each layer can afford under a memory budget (plan).
 
 - `ledger(fn_or_module, *inputs)` runs one forward under saved-tensor hooks and counts the bytes
   kept for backward by distinct storage (views of one buffer count once), parameters and buffers
-  excluded. Each saved tensor is attributed to the innermost module running when it was saved and
-  to the op that produced it (its grad_fn). Tensors cached by PyTorch's selective checkpointing do
-  not pass through saved-tensor hooks; `sac_context_fn` builds a policy that reports them.
+  excluded. Each saved tensor is attributed to the innermost module running when it was saved, to
+  the op that allocated its storage and to its grad_fn. Tensors cached by PyTorch's selective
+  checkpointing do not pass through saved-tensor hooks; `sac_context_fn` builds a policy that
+  reports them.
 - `estimate(...)` gives DESIGN.md's per-layer figure for SelectiveDecoderLayer, to the byte.
 - `plan(...)` picks a mode per layer that fits a budget with the least recompute cost.
 - `StorageTracker` follows live tensor storage op by op: the CPU peak-memory figure of the bench.
@@ -259,10 +260,11 @@ def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), trac
     grad_fn only) and the saved tensor's grad_fn.
 
     torch.utils.checkpoint(use_reentrant=False) saves its region's inputs through the same hooks,
-    so a checkpointed region shows exactly its inputs; what runs inside it is not kept and is not
-    counted. Outputs cached by selective checkpointing bypass the hooks: use `sac_context_fn`,
-    which reports them here. The forward's outputs are dropped before returning, so the graph and
-    its saved tensors are freed.
+    so a checkpointed region shows exactly its positional tensor inputs (tensors passed to
+    checkpoint as keyword arguments are held by reference, outside the hooks, and not counted);
+    what runs inside it is not kept and is not counted. Outputs cached by selective checkpointing
+    bypass the hooks: use `sac_context_fn`, which reports them here. The forward's outputs are
+    dropped before returning, so the graph and its saved tensors are freed.
     """
     if not callable(fn_or_module):
         raise TypeError(f"fn_or_module must be a module or a callable, got {type(fn_or_module).__name__}")
