@@ -155,3 +155,15 @@ def test_gpu_script_syntax_and_dry_run(tmp_path):
     assert "sweep parser ok" in proc.stdout and "dry-selfcheck   ok" in proc.stdout
     bad = subprocess.run(["bash", str(script), "--bogus"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
+
+
+def test_progress_falls_back_to_plain_lines(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # as if tqdm were not installed
+    prog = bench.Progress(2, enabled=True)
+    prog.update("s=64 eager: ledger")
+    prog.update("s=64 eager: peak")
+    prog.close()
+    assert capsys.readouterr().err.splitlines() == ["[1/2] s=64 eager: ledger", "[2/2] s=64 eager: peak"]
+    quiet = bench.Progress(1, enabled=False)
+    quiet.update("x")
+    assert capsys.readouterr().err == ""
