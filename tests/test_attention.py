@@ -10,6 +10,9 @@ from selective_ckpt import ops, rng
 from tests.reference import assert_within_rule
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Triton on CPU tensors needs the interpreter, which conftest turns on only without a GPU; on a
+# GPU the compiled kernels are checked by the cuda-marked tests instead.
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors runs interpreted only")
 
 
 def eager_attention(q, k, v, causal=False, p=0.0, scale=None, mask=None, seed=0):
@@ -109,6 +112,7 @@ TRITON_CASES = [
 ]
 
 
+@interpreted
 @pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_triton_matches_eager(case, use_backend):
     use_backend("triton")
@@ -118,6 +122,19 @@ def test_triton_matches_eager(case, use_backend):
     check_against_eager(q, k, v, causal, p, mask, scale=0.3 if D == 24 else None)
 
 
+@interpreted
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
+def test_triton_unequal_blocks(blocks, use_backend, monkeypatch):
+    """Causal block skipping and the dK/dV start row hold when query and key blocks differ."""
+    from selective_ckpt.triton_kernels import attention as tk
+
+    monkeypatch.setattr(tk, "INTERPRETER_BLOCKS", blocks)
+    use_backend("triton")
+    q, k, v = make_inputs(1, 1, 33, 40, 16, torch.float32)
+    check_against_eager(q, k, v, True, 0.17, make_mask(1, 40))
+
+
+@interpreted
 def test_triton_and_cpp_agree(use_backend):
     q, k, v = make_inputs(2, 2, 33, 33, 16, torch.float32, packed=True)
     mask = make_mask(2, 33)
@@ -131,6 +148,7 @@ def test_triton_and_cpp_agree(use_backend):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)  # a differing mask would be O(1) off
 
 
+@interpreted
 @pytest.mark.parametrize("backend_name", ["cpp", "triton"])
 def test_dropout_mask_is_the_contract(backend_name, use_backend):
     """With v = identity, o is the dropped P itself: its zeros are exactly rng's dropped entries."""
@@ -145,6 +163,7 @@ def test_dropout_mask_is_the_contract(backend_name, use_backend):
     torch.testing.assert_close(o, expected, rtol=1e-5, atol=1e-6)
 
 
+@interpreted
 def test_identical_calls_are_bit_identical_and_seed_none_follows_manual_seed(backend):
     q, k, v = make_inputs(1, 2, 33, 17, 16, torch.float32)
     grad = torch.randn(1, 2, 33, 16, generator=torch.Generator().manual_seed(5))
@@ -174,6 +193,7 @@ def test_chunked_cpu_path_matches_one_chunk(monkeypatch, use_backend):
         check_against_eager(qb, kb, vb, causal, 0.17, None)
 
 
+@interpreted
 @pytest.mark.parametrize("backend_name", ["cpp", "triton"])
 def test_rows_with_nothing_to_attend_are_zero(backend_name, use_backend):
     use_backend(backend_name)
@@ -263,6 +283,20 @@ def test_compiled_triton_matches_eager(dtype, D):
         q, k, v = (t.cuda() for t in make_inputs(2, 3, 203, 203 if causal else 113, D, dtype))
         mask = make_mask(2, k.shape[2]).cuda() if padding else None
         _check_cuda(q, k, v, causal, p, mask)
+
+
+@pytest.mark.cuda
+def test_cuda_masks_and_determinism():
+    B, H, S, p, seed = 2, 3, 64, 0.4, 2**63 + 99
+    q, k = (t.cuda() for t in make_inputs(B, H, S, S, 64, torch.float32)[:2])
+    v = torch.eye(S, device="cuda").expand(B, H, S, S)
+    o = selective_ckpt.attention(q, k, v, dropout_p=p, seed=seed)
+    assert torch.equal((o != 0).cpu(), rng.attention_keep_mask(seed, B, H, S, S, p))
+    q, k, v = (t.cuda() for t in make_inputs(2, 4, 203, 203, 128, torch.bfloat16))
+    grad = torch.randn(2, 4, 203, 128, device="cuda")
+    fn = lambda a, b, c: selective_ckpt.attention(a, b, c, causal=True, dropout_p=0.1, seed=3)
+    for x, y in zip(run(fn, q, k, v, grad), run(fn, q, k, v, grad)):
+        assert torch.equal(x, y)  # no atomics: identical calls give identical bits
 
 
 def _check_cuda(q, k, v, causal, p, mask, seed=77):

@@ -205,20 +205,29 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, MASK, sqb, sqh, sqs, skb, skh, s
 INTERPRETER_BLOCKS = (16, 16)
 
 
-def _blocks(D, dtype, backward=False):
+def _blocks(D, dtype, kernel="fwd"):
+    """(BLOCK_M query rows, BLOCK_N keys, BLOCK_D, warps, stages) for one kernel.
+
+    Forward and dQ keep a tall query block resident and stream keys; dK/dV keeps a tall key block
+    (its two fp32 accumulators) and streams queries.
+    """
     block_d = max(16, triton.next_power_of_2(D))
     if INTERPRETED:
         return INTERPRETER_BLOCKS + (block_d, 4, 1)
     wide = dtype.itemsize == 4
-    if block_d <= 64:
-        bm, bn = (64, 32) if wide else (128, 64)
-    elif block_d <= 128:
-        bm, bn = (64, 32) if wide else (128, 32) if backward else (128, 64)
-    else:
-        bm, bn = (32, 32) if wide else (64, 32)
-    if backward:
-        bm, bn = min(bm, 64), min(bn, 64)
-    return bm, bn, block_d, 8 if bm * block_d >= 128 * 128 else 4, 2 if block_d > 128 else 3
+    tall = 32 if block_d > 128 else 64 if wide or block_d > 64 else 128
+    if kernel == "fwd":
+        if wide:
+            bm, bn = (64, 32) if block_d <= 128 else (32, 32)
+        else:
+            bm, bn = (128, 64) if block_d <= 128 else (64, 32)
+    elif kernel == "dq":
+        bm, bn = tall, 32
+    else:  # dkdv
+        bm, bn = 32, tall
+    # Eight warps for big tiles and for D > 128, whose fp32 accumulators would spill with four.
+    warps = 8 if max(bm, bn) * block_d >= 128 * 128 or block_d > 128 else 4
+    return bm, bn, block_d, warps, 2 if block_d > 128 else 3
 
 
 def _strides(t):
@@ -235,7 +244,7 @@ def forward(q, k, v, o, lse, mask, causal, scale, seed, t16, ks):
     """o [B, H, Sq, D] (any strides, last dim contiguous) and lse fp32 [B, H, Sq] contiguous."""
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
-    bm, bn, bd, warps, stages = _blocks(D, q.dtype)
+    bm, bn, bd, warps, stages = _blocks(D, q.dtype, "fwd")
     has_mask, mask_arg, k0, k1, t16, ks, drop = _common(mask, q, seed, t16, ks)
     grid = (triton.cdiv(Sq, bm), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, mask_arg, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
@@ -248,13 +257,18 @@ def backward(do, q, k, v, lse, delta, dq, dk, dv, mask, causal, scale, seed, t16
     """dq, dk, dv and do contiguous [B, H, S, D]; lse, delta fp32 contiguous [B, H, Sq]."""
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
-    bm, bn, bd, warps, stages = _blocks(D, q.dtype, backward=True)
     has_mask, mask_arg, k0, k1, t16, ks, drop = _common(mask, q, seed, t16, ks)
     lse = lse.contiguous()
     args = (H, Sq, Sk, D, scale, scale * LOG2E, k0, k1, t16, ks)
-    meta = dict(CAUSAL=causal, HAS_MASK=has_mask, DROPOUT=drop, IEEE=q.dtype.itemsize == 4, BLOCK_M=bm,
-                BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
-    _bwd_dkdv_kernel[(triton.cdiv(Sk, bn), B * H)](q, k, v, do, lse, delta, dk, dv, mask_arg, *_strides(q),
-                                                   *_strides(k), *_strides(v), *args, **meta)
-    _bwd_dq_kernel[(triton.cdiv(Sq, bm), B * H)](q, k, v, do, lse, delta, dq, mask_arg, *_strides(q),
-                                                 *_strides(k), *_strides(v), *args, **meta)
+    flags = dict(CAUSAL=causal, HAS_MASK=has_mask, DROPOUT=drop, IEEE=q.dtype.itemsize == 4)
+
+    def meta(kernel):
+        bm, bn, bd, warps, stages = _blocks(D, q.dtype, kernel)
+        return dict(flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
+
+    m = meta("dkdv")
+    _bwd_dkdv_kernel[(triton.cdiv(Sk, m["BLOCK_N"]), B * H)](q, k, v, do, lse, delta, dk, dv, mask_arg,
+                                                             *_strides(q), *_strides(k), *_strides(v), *args, **m)
+    m = meta("dq")
+    _bwd_dq_kernel[(triton.cdiv(Sq, m["BLOCK_M"]), B * H)](q, k, v, do, lse, delta, dq, mask_arg, *_strides(q),
+                                                           *_strides(k), *_strides(v), *args, **m)
