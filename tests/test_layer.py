@@ -19,24 +19,25 @@ def reference(P, x, mask, heads, causal, p_attn, p, seeds, approximate="none", e
     h = F.layer_norm(x, (E,), P["ln1.weight"], P["ln1.bias"], eps)
     q, k, v = F.linear(h, P["qkv.weight"], P["qkv.bias"]).view(B, S, 3, heads, D).permute(2, 0, 3, 1, 4)
     s = (q @ k.transpose(-1, -2)) * D**-0.5
-    allowed = torch.ones(B, 1, S, S, dtype=torch.bool)
+    dev = x.device
+    allowed = torch.ones(B, 1, S, S, dtype=torch.bool, device=dev)
     if causal:
-        allowed = allowed & torch.ones(S, S, dtype=torch.bool).tril()
+        allowed = allowed & torch.ones(S, S, dtype=torch.bool, device=dev).tril()
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]
     prob = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)  # empty rows give 0
     if p_attn:
-        prob = prob * rng.attention_keep_mask(seeds[0], B, heads, S, S, p_attn) * rng.keep_scale(p_attn)
+        prob = prob * rng.attention_keep_mask(seeds[0], B, heads, S, S, p_attn).to(dev) * rng.keep_scale(p_attn)
     o = (prob @ v).transpose(1, 2).reshape(B, S, E)
     a = F.linear(o, P["proj.weight"], P["proj.bias"])
     if p:
-        a = a * rng.elementwise_keep_mask(seeds[1], B * S, E, p).view(B, S, E) * rng.keep_scale(p)
+        a = a * rng.elementwise_keep_mask(seeds[1], B * S, E, p).view(B, S, E).to(dev) * rng.keep_scale(p)
     x1 = x + a
     f = F.gelu(F.linear(F.layer_norm(x1, (E,), P["ln2.weight"], P["ln2.bias"], eps), P["fc1.weight"],
                         P["fc1.bias"]), approximate=approximate)
     m = F.linear(f, P["fc2.weight"], P["fc2.bias"])
     if p:
-        m = m * rng.elementwise_keep_mask(seeds[2], B * S, E, p).view(B, S, E) * rng.keep_scale(p)
+        m = m * rng.elementwise_keep_mask(seeds[2], B * S, E, p).view(B, S, E).to(dev) * rng.keep_scale(p)
     return x1 + m
 
 
@@ -61,7 +62,7 @@ def run_layer(layer, x, mask, dy, seed=123):
 
 def run_reference(layer, x, mask, dy, seeds, dtype):
     P = {n: t.detach().to(dtype).requires_grad_(True) for n, t in layer.named_parameters()}
-    xr = x.detach().to(dtype).requires_grad_(True)
+    xr = x.detach().clone().to(dtype).requires_grad_(True)
     p_attn, p = (layer.attn_dropout, layer.dropout) if layer.training else (0.0, 0.0)
     y = reference(P, xr, mask, layer.num_heads, layer.causal, p_attn, p, seeds, layer.approximate)
     y.backward(dy.to(y.dtype))
@@ -69,7 +70,7 @@ def run_reference(layer, x, mask, dy, seeds, dtype):
 
 
 def seeds_of(layer, x, seed=123):
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # seeds the CUDA generators too
     return layer._draw_seeds(x.device)
 
 
@@ -273,3 +274,35 @@ def test_attention_and_mlp_modules_match_the_layer_pieces():
     ref = F.linear(F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias), approximate="tanh"), mlp.fc2.weight, mlp.fc2.bias)
     torch.testing.assert_close(mlp(x), ref, atol=1e-5, rtol=1e-5)
     assert tuple(mlp.fc1.weight.shape) == (128, 32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_layer_matches_reference_and_modes_agree(dtype):
+    B, S, E, H = 2, 77, 128, 2  # head dim 64, ragged S
+    layer = make_layer(E, H, dropout=0.17, attn_dropout=0.17, dtype=dtype).cuda()
+    x, dy = torch.randn(B, S, E, device="cuda").to(dtype), torch.randn(B, S, E, device="cuda").to(dtype)
+    mask = padding_mask(B, S).cuda()
+    ours = check_against_reference(layer, x, mask, dy, floor=1e-4)
+    for mode in ("none", "full"):
+        layer.recompute = mode
+        for a, b in zip(ours, run_layer(layer, x, mask, dy)):
+            assert torch.equal(a, b), mode
+        layer.recompute = "selective"
+    got, _ = saved_storages(layer, x.clone().requires_grad_(True), mask)
+    es = torch.finfo(dtype).bits // 8
+    assert got == B * S * E * es * 10 + B * H * S * 4 + 2 * 2 * B * S * 4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_autocast_matches_eager_autocast(dtype):
+    layer = make_layer(64, 2, dropout=0.17, attn_dropout=0.17).cuda()
+    x, dy = torch.randn(2, 33, 64, device="cuda"), torch.randn(2, 33, 64, device="cuda")
+    seeds = seeds_of(layer, x)
+    with torch.autocast("cuda", dtype=dtype):
+        ours = run_layer(layer, x, None, dy)
+        eager = run_reference(layer, x, None, dy, seeds, torch.float32)
+    ref = run_reference(layer, x, None, dy, seeds, torch.float64)
+    for i, name in enumerate(["y", "dx"] + NAMES):
+        assert_within_rule(ours[i], eager[i], ref[i], 2 if i == 0 else 3, floor=1e-4, name=name)

@@ -140,3 +140,17 @@ def test_bad_arguments():
         norm.layer_norm(torch.ones(3, 8, dtype=torch.int64), torch.ones(8))
     with pytest.raises(ValueError, match="last dimension"):
         norm.layer_norm(torch.ones(3, 0), torch.ones(0))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_layer_norm_matches_float64_reference(dtype):
+    x, w, b, dy = (t.cuda() for t in _inputs((203, 4096), dtype, True))
+    ours = _grads(lambda x, w, b: norm.layer_norm(x, w, b), x, w, b, dy)
+    eager = _grads(lambda x, w, b: F.layer_norm(x, (4096,), w, b), x, w, b, dy)
+    ref = _grads(lambda x, w, b: F.layer_norm(x, (4096,), w, b), x.double(), w.double(), b.double(), dy.double())
+    assert_within_rule(ours[0], eager[0], ref[0], 2, name="y")
+    for name, o, e, r in zip(("dx", "dw", "db"), ours[1], eager[1], ref[1]):
+        assert_within_rule(o, e, r, 3, floor=1e-4, name=name)
+    y, mean, rstd = ops.layer_norm_fwd(x, w, b, 1e-5)
+    assert torch.equal(ops.layer_norm_apply(x, w, b, mean, rstd), y)

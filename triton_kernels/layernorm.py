@@ -86,16 +86,21 @@ def _block(n):
     return triton.next_power_of_2(max(n, 16))
 
 
+def _warps(n):
+    """One row per program: enough warps that a thread holds at most ~8 elements of the row."""
+    return min(16, max(1, _block(n) // 256))
+
+
 def forward(x, w, b, y, mean, rstd, rows, n, eps):
     """Writes mean, rstd [rows] and, when y is not None, y = LayerNorm(x)."""
     _forward_kernel[(rows,)](x, w, b if b is not None else w, y if y is not None else x, mean, rstd, n, eps,
-                             HAS_BIAS=b is not None, WRITE_Y=y is not None, BLOCK=_block(n))
+                             HAS_BIAS=b is not None, WRITE_Y=y is not None, BLOCK=_block(n), num_warps=_warps(n))
 
 
 def apply(x, w, b, y, mean, rstd, rows, n):
     """y = (x - mean) * rstd * w (+ b) from saved statistics."""
     _apply_kernel[(rows,)](x, w, b if b is not None else w, y, mean, rstd, n, HAS_BIAS=b is not None,
-                           BLOCK=_block(n))
+                           BLOCK=_block(n), num_warps=_warps(n))
 
 
 ROWS_PER_PROG = 16
@@ -105,4 +110,5 @@ def backward(dy, x, mean, rstd, w, dx, pw, pb, rows, n):
     """Writes dx (if not None) and partial dw/db sums pw, pb [cdiv(rows, ROWS_PER_PROG), n]."""
     grid = (triton.cdiv(rows, ROWS_PER_PROG),)
     _backward_kernel[grid](dy, x, mean, rstd, w, dx if dx is not None else x, pw, pb, rows, n,
-                           ROWS_PER_PROG=ROWS_PER_PROG, WRITE_DX=dx is not None, BLOCK=_block(n))
+                           ROWS_PER_PROG=ROWS_PER_PROG, WRITE_DX=dx is not None, BLOCK=_block(n),
+                           num_warps=_warps(n))
