@@ -390,6 +390,22 @@ def test_16bit_gelu_rounding(dtype, backend):
         assert ((g.double() - dwant).abs() <= torch.finfo(dtype).eps * dwant.abs().clamp_min(1e-3)).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_kernels_round_the_float_kernel(dtype, backend):
+    """A 16-bit call is the float32 kernel on the widened input, rounded once by torch: bit for bit."""
+    x = (torch.randn(3, 1001, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    x[0, :4] = torch.tensor([float("inf"), -0.0, 0.0, 70000.0 if dtype == torch.bfloat16 else 65504.0])
+    for approximate in ("none", "tanh"):
+        exact = dict(rtol=0, atol=0, equal_nan=True)  # gelu'(inf) may be inf * 0
+        torch.testing.assert_close(ops.mlp_gelu_op(x, approximate), ops.mlp_gelu_op(x.float(), approximate).to(dtype),
+                                   **exact)
+        g16 = (torch.randn(3, 1001) * 2).to(dtype)
+        g32 = g16.float()
+        ops.mlp_gelu_backward_op(g16, x, approximate)
+        ops.mlp_gelu_backward_op(g32, x.float(), approximate)
+        torch.testing.assert_close(g16, g32.to(dtype), **exact)
+
+
 def test_compiles_fullgraph_on_cpu():
     _, t = make_inputs((2, 6), 8, 16, 4, torch.float32)
 
