@@ -234,8 +234,17 @@ from typing import Optional  # noqa: E402
 ATTENTION_CHUNK_ELEMS = 1 << 21
 
 
-def _attention_chunk_rows(H, Sq, Sk):
-    return max(1, min(Sq, ATTENTION_CHUNK_ELEMS // max(1, H * Sk)))
+# Causal chunks are cut finer: a chunk's products stop at its last row's diagonal, so n chunks do
+# (n + 1) / 2n of the full matmul work.
+ATTENTION_CAUSAL_CHUNKS = 8
+ATTENTION_MIN_CHUNK_ROWS = 64
+
+
+def _attention_chunk_rows(H, Sq, Sk, causal=False):
+    rows = max(1, min(Sq, ATTENTION_CHUNK_ELEMS // max(1, H * Sk)))
+    if causal:
+        rows = min(rows, max(ATTENTION_MIN_CHUNK_ROWS, -(-Sq // ATTENTION_CAUSAL_CHUNKS)))
+    return rows
 
 
 def _attention_out(q):
@@ -254,7 +263,7 @@ def _bmm_into(dst, a, b):
 def _attention_fwd_cpp(q, k, v, o, lse, mask, causal, scale, seed, t16, ks):
     B, H, Sq, _ = q.shape
     Sk = k.shape[2]
-    rows = _attention_chunk_rows(H, Sq, Sk)
+    rows = _attention_chunk_rows(H, Sq, Sk, causal)
     code = dtype_code(q)
     for b in range(B):
         pad = ptr(mask[b]) if mask is not None else 0
@@ -270,7 +279,7 @@ def _attention_fwd_cpp(q, k, v, o, lse, mask, causal, scale, seed, t16, ks):
 def _attention_bwd_cpp(do, q, k, v, lse, dq, dk, dv, mask, causal, scale, seed, t16, ks):
     B, H, Sq, _ = q.shape
     Sk = k.shape[2]
-    rows = _attention_chunk_rows(H, Sq, Sk)
+    rows = _attention_chunk_rows(H, Sq, Sk, causal)
     code = dtype_code(q)
     single = rows >= Sq
     # Several chunks add into dK, dV: in fp32 for 16-bit inputs so the sum is rounded once.
