@@ -186,3 +186,17 @@ def test_eager_root_and_errors():
         convert(bad)
     with pytest.raises(ValueError, match="recompute must be one of"):
         convert(eager_stack(), recompute="most")
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_gpt2_left_padding(impl):
+    model = gpt2(impl=impl)
+    converted, _ = convert(copy.deepcopy(model))
+    ids = torch.randint(0, 61, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0  # left padding: the padded queries have nothing to attend
+    with torch.no_grad():
+        ours = converted(ids, attention_mask=mask).logits
+        theirs = model(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(ours[0], theirs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[1, 4:], theirs[1, 4:], atol=1e-5, rtol=1e-5)

@@ -318,3 +318,32 @@ def test_torch_compile_with_dropout_matches_eager():
     got = run_layer(torch.compile(layer), x, None, dy)
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_without_biases_fp16_and_tanh_gelu():
+    layer = SelectiveDecoderLayer(24, 3, mlp_ratio=2.5, dropout=0.17, attn_dropout=0.17, bias=False,
+                                  activation="gelu_tanh", dtype=torch.float16)
+    assert layer.ln1.bias is None and layer.fc1.bias is None and layer.fc1.out_features == 60
+    x, dy = torch.randn(2, 5, 24).half(), torch.randn(2, 5, 24).half()
+    names = [n for n in NAMES if not n.endswith("bias")]
+    ours = run_layer_named(layer, x, dy, names)
+    seeds = seeds_of(layer, x)
+    refs = []
+    for dtype in (torch.float16, torch.float64):
+        P = {n: t.detach().to(dtype).requires_grad_(True) for n, t in layer.named_parameters()}
+        P.update({n: None for n in NAMES if n.endswith("bias")})
+        xr = x.detach().clone().to(dtype).requires_grad_(True)
+        y = reference(P, xr, None, 3, True, 0.17, 0.17, seeds, "tanh")
+        y.backward(dy.to(dtype))
+        refs.append([y.detach(), xr.grad] + [P[n].grad for n in names])
+    for i, name in enumerate(["y", "dx"] + names):
+        assert_within_rule(ours[i], refs[0][i], refs[1][i], 2 if i == 0 else 3, name=name)
+
+
+def run_layer_named(layer, x, dy, names, seed=123):
+    x = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    y = layer(x)
+    y.backward(dy)
+    params = dict(layer.named_parameters())
+    return [y.detach(), x.grad] + [params[n].grad for n in names]
