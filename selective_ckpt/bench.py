@@ -14,8 +14,8 @@ Columns:
   kept/layer   bytes kept for backward per layer: selective_ckpt.memory.ledger (saved-tensor hooks,
                distinct storage, parameters excluded), total over the stack / layers
   peak         peak bytes allocated by one forward+backward step above what was live before it
-               (parameters, input). CUDA: torch.cuda.max_memory_allocated. CPU: memory.StorageTracker,
-               a dispatch mode that counts every op output's new storage until it is freed.
+               (parameters, input; grads set to None first). CUDA: torch.cuda.max_memory_allocated.
+               CPU: memory.cpu_peak_bytes, the running sum of the profiler's allocation events.
   step         median wall time of a forward+backward step over --repeats runs (rows interleaved
                run by run, so load drift on a shared machine hits all rows alike), and its ratio to
                eager and to "none"
@@ -144,7 +144,7 @@ def build_parser():
     p.add_argument("--repeats", type=_positive, default=None,
                    help="timed steps per row, median reported (default per device)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps per row before timing; on cpu the first one runs under the memory tracker "
+                   help="untimed steps per row before timing; on cpu the first one runs under the memory profiler "
                         "(default per device)")
     p.add_argument("--rows", type=_row_list, default=list(ROWS), help="comma-separated rows to run: " + ",".join(ROWS))
     p.add_argument("--model-layers", type=_positive, default=MODEL_LAYERS,
@@ -241,31 +241,37 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def make_step(model, x, gy):
-    params = list(model.parameters())
+class Step:
+    """One training step of `model` on x with output gradient gy; grads are set to None first."""
 
-    def step():
-        for prm in params:
+    def __init__(self, model, x, gy):
+        self.model, self.x, self.gy = model, x, gy
+        self.params = list(model.parameters())
+
+    def zero(self):
+        for prm in self.params:
             prm.grad = None
-        x.grad = None
-        model(x).backward(gy)
+        self.x.grad = None
 
-    return step
+    def forward_backward(self):
+        self.model(self.x).backward(self.gy)
+
+    def __call__(self):
+        self.zero()
+        self.forward_backward()
 
 
 def measure_peak(step, device):
-    """Peak bytes a step allocates above what is live before it (grads are set to None first)."""
+    """Peak bytes a forward+backward allocates above what is live before it (grads None first)."""
+    step.zero()
     if device == "cuda":
         _sync(device)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        step()
+        step.forward_backward()
         _sync(device)
         return torch.cuda.max_memory_allocated() - base
-    tracker = memory.StorageTracker()
-    with tracker:
-        step()
-    return tracker.peak
+    return memory.cpu_peak_bytes(step.forward_backward)
 
 
 def _time_once(step, device):
@@ -308,7 +314,7 @@ def param_bytes(model):
 def run(cfg, progress=True):
     """Measure every row at every sequence length; returns a list of result dicts."""
     device, rows, n = cfg["device"], cfg["rows"], cfg["layers"]
-    # CPU: the tracked step doubles as the first warm-up step. CUDA: peak after warm-up, so one-off
+    # CPU: the profiled step doubles as the first warm-up step. CUDA: peak after warm-up, so one-off
     # allocations (Triton compilation, cuBLAS workspaces) stay out of it.
     warm = max(0, cfg["warmup"] - 1) if device == "cpu" else cfg["warmup"]
     prog = Progress(len(cfg["seqs"]) * len(rows) * (2 + warm + cfg["repeats"]), progress)
@@ -319,7 +325,7 @@ def run(cfg, progress=True):
             x = torch.randn(cfg["batch"], seq, cfg["hidden"], device=device, dtype=cfg["dtype"], requires_grad=True)
             gy = torch.randn_like(x)
             models = {row: build_stack(row, cfg) for row in rows}
-            steps = {row: make_step(models[row], x, gy) for row in rows}
+            steps = {row: Step(models[row], x, gy) for row in rows}
             res = {row: {"seq": seq, "row": row} for row in rows}
             for row in rows:
                 prog.update(f"s={seq} {row}: ledger")

@@ -9,7 +9,8 @@ and which recompute mode each layer can afford under a memory budget (plan).
   reports them.
 - `estimate(...)` gives DESIGN.md's per-layer figure for SelectiveDecoderLayer, to the byte.
 - `plan(...)` picks a mode per layer that fits a budget with the least recompute cost.
-- `StorageTracker` follows live tensor storage op by op: the CPU peak-memory figure of the bench.
+- `cpu_peak_bytes(fn)` is the CPU peak of what `fn` allocates (allocator events, as CUDA counts);
+  `StorageTracker` follows live op outputs only (what custom ops allocate inside is invisible to it).
 """
 
 import contextlib
@@ -336,10 +337,40 @@ def sac_context_fn(ops=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Live-storage tracker (CPU peak memory)
+# CPU peak memory
+
+
+def cpu_peak_bytes(fn):
+    """Peak of CPU bytes allocated minus freed while `fn()` runs, from the allocator's own events.
+
+    The profiler (profile_memory=True) records every CPU allocation and free with its size, inside
+    custom ops and C++ kernels too; the running sum of those deltas in time order peaks at the
+    figure CUDA's max_memory_allocated gives there. Memory freed inside `fn` that was allocated
+    before it is not seen (set gradients to None beforehand). Falls back to StorageTracker where the
+    profiler's raw events are not available.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    try:
+        raw = prof.profiler.kineto_results.events()
+        deltas = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
+    except AttributeError:
+        tracker = StorageTracker()
+        with tracker:
+            fn()
+        return tracker.peak
+    current = peak = 0
+    for _, n in deltas:
+        current += n
+        peak = max(peak, current)
+    return peak
+
+
 
 class StorageTracker(torch.utils._python_dispatch.TorchDispatchMode):
-    """Peak bytes of live tensor storage allocated while active.
+    """Peak bytes of live tensor storage allocated while active (op outputs only).
 
     Every op's outputs are inspected; a storage not shared with the op's inputs (views and in-place
     results share theirs) is counted until it is freed, which a weakref finalizer on the storage
