@@ -89,6 +89,8 @@ CPP_CASES = [
     (1, 2, 77, 203, 16, True, 0.17, False, False),
     (2, 4, 1, 77, 64, False, 0.17, True, False),
     (1, 2, 113, 77, 80, True, 0.17, True, False),
+    (1, 2, 33, 17, 3, False, 0.17, True, False),
+    (1, 1, 17, 33, 256, True, 0.17, False, False),
 ]
 
 
