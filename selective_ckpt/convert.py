@@ -15,6 +15,8 @@ masks beyond causal + key padding, mismatched dropout rates) raises a ValueError
 every layer is checked before any is replaced, so a failed convert changes nothing.
 """
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -107,8 +109,23 @@ class GPT2SelectiveBlock(SelectiveDecoderLayer):
         if kwargs.pop("output_attentions", False):
             raise ConversionError(f"{name}: output_attentions=True is not supported (attention weights are never "
                                   "materialised)")
-        pad = _mask_to_padding(attention_mask, hidden_states.shape[0], hidden_states.shape[1], name)
+        pad = _cached_padding(attention_mask, hidden_states.shape[0], hidden_states.shape[1], name)
         return super().forward(hidden_states, pad)
+
+
+_LAST_MASK = [None]  # (weakref to mask, its version, B, S, padding): GPT2Model hands every block one mask
+
+
+def _cached_padding(mask, batch, seq, name):
+    """_mask_to_padding, checked once per mask tensor rather than once per block."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.is_inference():  # no version counter
+        return _mask_to_padding(mask, batch, seq, name)
+    last = _LAST_MASK[0]
+    if last is not None and last[0]() is mask and last[1:4] == (mask._version, batch, seq):
+        return last[4]
+    pad = _mask_to_padding(mask, batch, seq, name)
+    _LAST_MASK[0] = (weakref.ref(mask), mask._version, batch, seq, pad)
+    return pad
 
 
 def _from_gpt2(block, name, recompute):

@@ -200,3 +200,24 @@ def test_gpt2_left_padding(impl):
         theirs = model(ids, attention_mask=mask, use_cache=False).logits
     torch.testing.assert_close(ours[0], theirs[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours[1, 4:], theirs[1, 4:], atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_inference_mode_and_mask_reuse():
+    model, _ = convert(gpt2())
+    model.eval()
+    ids = torch.randint(0, 61, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, 5:] = 0
+    with torch.no_grad():
+        a = model(ids, attention_mask=mask).logits
+    with torch.inference_mode():
+        b = model(ids, attention_mask=mask).logits
+    assert torch.equal(a, b)
+    block = model.transformer.h[0]
+    x = torch.randn(2, 7, 32)
+    m4 = torch.ones(2, 1, 7, 7, dtype=torch.bool).tril()
+    first = block(x, None, m4)
+    m4[1, 0, 5, 2] = False  # edited in place: must be checked again, not served from the cache
+    with pytest.raises(ValueError, match="not causal"):
+        block(x, None, m4)
+    assert torch.equal(first, SelectiveDecoderLayer.forward(block, x))
