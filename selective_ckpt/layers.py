@@ -208,11 +208,15 @@ class SelectiveDecoderLayer(nn.Module):
         """x [B, S, hidden]; attention_mask [B, S] bool (True = attend) or None -> [B, S, hidden]."""
         _check_input(x, self.hidden_dim, attention_mask)
         seeds = self._draw_seeds(x.device)
-        if self.recompute == "full" and torch.is_grad_enabled():
+        if self.recompute == "full" and self._needs_graph(x):
             # Seeds are arguments, so the re-run in backward regenerates the very same masks.
             return checkpoint(self._block, x, attention_mask, seeds, False, use_reentrant=False,
                               preserve_rng_state=False)
         return self._block(x, attention_mask, seeds, self.recompute == "none")
+
+    def _needs_graph(self, x):
+        """Whether this forward builds an autograd graph (else checkpointing would only keep x alive)."""
+        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
     def _block(self, x, attention_mask, seeds, store):
         p_attn, p = self._dropout_rates()

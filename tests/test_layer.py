@@ -174,9 +174,13 @@ def test_nothing_kept_without_grad_and_eval_is_deterministic():
             got, y = saved_storages(layer, x)
         assert got == 0 and not y.requires_grad
         layer.eval()
-        got, y_eval = saved_storages(layer, x)  # eval, frozen input and grads off for parameters
         with torch.no_grad():
-            assert torch.equal(layer(x), y_eval)  # dropout off in eval: no seeds
+            got, y_eval = saved_storages(layer, x)
+            assert got == 0 and torch.equal(layer(x), y_eval)  # dropout off in eval: no seeds, same bits
+        layer.requires_grad_(False)  # frozen layer, grad mode on, input without grad: nothing either
+        got, y_frozen = saved_storages(layer, x)
+        assert got == 0 and not y_frozen.requires_grad and torch.equal(y_frozen, y_eval)
+        layer.requires_grad_(True)
         layer.train()
     layer.eval()
     P = {n: t.detach().double() for n, t in layer.named_parameters()}
