@@ -155,6 +155,9 @@ class SelectiveDecoderLayer(nn.Module):
 
     `recompute` picks what is kept for backward ("selective", "none", "full"; see the module doc);
     it can be changed at any time (set_recompute). Under no_grad nothing is kept in any mode.
+    Each training forward with dropout draws three seeds (attention, proj, MLP) from torch's
+    generator as host ints: torch.compile(fullgraph=True) therefore needs dropout 0 (or eval());
+    with dropout it compiles with a graph break at the draw.
     """
 
     def __init__(self, hidden_dim, num_heads, mlp_ratio=4.0, dropout=0.0, attn_dropout=0.0, causal=True,
