@@ -18,7 +18,7 @@ Columns:
                CPU: memory.cpu_peak_bytes, the running sum of the profiler's allocation events.
   step         median wall time of a forward+backward step over --repeats runs (rows interleaved
                run by run, so load drift on a shared machine hits all rows alike), and its ratio to
-               eager and to "none"
+               eager and to "none"; "min ms" is the fastest run, the least disturbed one
   max batch    largest batch of a --model-layers model that fits --budget, projected linearly from
                this run: weights + grads (2 * params) + b * ((L - N) * kept/layer + step peak
                above grads) / B, where N is the measured stack's depth and B its batch
@@ -387,12 +387,12 @@ def _ratio(v):
 
 def format_table(results, cfg):
     head = ("seq", "row", "kept/layer MiB", "vs eager", f"{cfg['model_layers']}-layer kept GiB", "peak MiB",
-            "step ms", "vs eager", "vs none", "max batch")
+            "step ms", "min ms", "vs eager", "vs none", "max batch")
     lines = []
     for r in results:
         lines.append((str(r["seq"]), ROW_LABELS[r["row"]], _mib(r["kept_bytes_per_layer"]), _ratio(r["kept_vs_eager"]),
                       f"{r['model_kept_bytes'] / 2**30:.2f}", _mib(r["peak_bytes"]), f"{r['step_s'] * 1e3:.1f}",
-                      _ratio(r["time_vs_eager"]), _ratio(r["time_vs_none"]), str(r["max_batch"])))
+                      f"{r['step_s_min'] * 1e3:.1f}", _ratio(r["time_vs_eager"]), _ratio(r["time_vs_none"]), str(r["max_batch"])))
     widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
 
     def fmt(cells):
