@@ -392,7 +392,8 @@ def format_table(results, cfg):
     for r in results:
         lines.append((str(r["seq"]), ROW_LABELS[r["row"]], _mib(r["kept_bytes_per_layer"]), _ratio(r["kept_vs_eager"]),
                       f"{r['model_kept_bytes'] / 2**30:.2f}", _mib(r["peak_bytes"]), f"{r['step_s'] * 1e3:.1f}",
-                      f"{r['step_s_min'] * 1e3:.1f}", _ratio(r["time_vs_eager"]), _ratio(r["time_vs_none"]), str(r["max_batch"])))
+                      f"{r['step_s_min'] * 1e3:.1f}", _ratio(r["time_vs_eager"]), _ratio(r["time_vs_none"]),
+                      str(r["max_batch"])))
     widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
 
     def fmt(cells):

@@ -179,6 +179,7 @@ class _Recorder:
         self.seen_modules = set()
         self.entries = OrderedDict()
         self.producers = None
+        self.sac_modes = []  # selective-checkpoint caching modes created while recording
         self.keep_alive = []  # saved tensors stay referenced so no storage address is reused mid-run
         for obj in exclude:
             if isinstance(obj, nn.Module):
@@ -289,6 +290,9 @@ def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), trac
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t))
             out = fn_or_module(*inputs, **kwargs)
+            for mode in rec.sac_modes:  # what selective checkpointing cached and the policy did not report
+                for leaf in tree_flatten(list(_sac_cache(mode)))[0]:
+                    rec.add(getattr(leaf, "val", leaf), op="sac:cached")
             del out
     finally:
         _ACTIVE.remove(rec)
@@ -327,13 +331,30 @@ def sac_context_fn(ops=None):
     def policy(ctx, op, *args, **kwargs):
         if op in save:
             if not ctx.is_recompute:
-                out = getattr(ctx, "op_output", None)
+                out = getattr(ctx, "op_output", None)  # not in every torch version
                 if out is not None:
                     note_saved(out, f"sac:{op.__name__}")
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return functools.partial(create_selective_checkpoint_contexts, policy)
+    def context_fn():
+        forward_mode, recompute_mode = create_selective_checkpoint_contexts(policy)
+        if _ACTIVE:  # without op_output, the ledger reads the cache after the forward instead
+            _ACTIVE[-1].sac_modes.append(forward_mode)
+        return forward_mode, recompute_mode
+
+    return context_fn
+
+
+def _sac_cache(mode):
+    """The outputs a selective-checkpoint caching mode holds (a private attribute: empty if absent)."""
+    storage = getattr(mode, "storage", None)
+    if not isinstance(storage, dict):
+        return []
+    out = []
+    for entry in storage.values():
+        out += list(entry.values()) if isinstance(entry, dict) else list(entry)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

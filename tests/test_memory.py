@@ -380,3 +380,23 @@ def test_plan_on_a_model_and_set_recompute():
     selective_ckpt.set_recompute(model, p)
     x = torch.randn(b, s, h, requires_grad=True)
     assert memory.ledger(model, x).total == p.kept_bytes
+
+
+def test_ledger_sac_without_op_output_reads_the_cache(monkeypatch):
+    # Older torch passes no op_output to the policy: the ledger then counts what the cache holds.
+    from torch.utils import checkpoint as ckpt
+
+    real = ckpt.SelectiveCheckpointContext.__init__
+
+    def without_output(self, *, is_recompute, **kwargs):
+        real(self, is_recompute=is_recompute, **kwargs)
+        self.__dict__.pop("op_output", None)
+
+    monkeypatch.setattr(ckpt.SelectiveCheckpointContext, "__init__", without_output)
+    torch.manual_seed(0)
+    w = torch.randn(8, 16, requires_grad=True)
+    x = torch.randn(5, 8, requires_grad=True)
+    rep = memory.ledger(lambda t: checkpoint(lambda u: torch.relu(u @ w).sin(), t, use_reentrant=False,
+                                             context_fn=memory.sac_context_fn()), x, exclude=[w])
+    assert rep.total == (5 * 8 + 5 * 16) * F32
+    assert sorted(e.op for e in rep.entries) == ["input", "sac:cached"]
