@@ -50,11 +50,10 @@ struct Elem<bf16> {
   static void store(bf16* p, float v) {
     uint32_t u;
     std::memcpy(&u, &v, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it quiet, drop the payload's low bits
-      p->bits = uint16_t((u >> 16) | 0x40u);
-      return;
-    }
-    p->bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    // Integer selects rather than a branch, so loops that store bf16 still vectorise.
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;  // NaN stays NaN, payload's low bits dropped
+    p->bits = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
   }
 };
 

@@ -18,6 +18,7 @@
 
 #include "bindings.h"
 #include "dtypes.h"
+#include "fastmath.h"
 
 namespace py = pybind11;
 
@@ -34,28 +35,6 @@ constexpr double kTanhCubic = 0.044715;
 #else
 #define SCKPT_CLONES
 #endif
-
-// e^x in float: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by its Taylor
-// polynomial to degree 7 (truncation < 6e-9 relative), 2^n through the exponent bits. x is
-// clamped to [-87, 88], so tiny results flush to ~1e-38 instead of denormals.
-inline float exp_f(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const float n = (x * 1.44269504088896341f + kRound) - kRound;
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
 // erfc(z) for z >= 0 as t exp(-z^2 + P(t)), t = 1 / (1 + z/2), the form of Press et al.,
 // Numerical Recipes 6.2 (Chebyshev fitting). P is our own degree-9 weighted least-squares fit of
@@ -74,7 +53,7 @@ inline float erfc_nonneg_f(float z) {
   p = p * t + 0.38789960096253795f;
   p = p * t + 0.9984925302961075f;
   p = p * t - 1.2654414386513118f;
-  return t * exp_f(p - z * z);
+  return t * fast_expf(p - z * z);
 }
 
 // Phi(x), the standard normal CDF: 1 - erfc/2 on the right, erfc/2 on the left, so the left
@@ -88,7 +67,7 @@ inline float normal_cdf_f(float x) {
 // without cancellation.
 inline float tanh_gate_f(float x, float* e) {
   const float u = float(kSqrt2OverPi) * (x + float(kTanhCubic) * x * x * x);
-  *e = exp_f(-2.0f * u);
+  *e = fast_expf(-2.0f * u);
   return 1.0f / (1.0f + *e);
 }
 
@@ -107,7 +86,7 @@ inline float gelu_grad_f(float x) {
     const float du = float(kSqrt2OverPi) * (1.0f + float(3 * kTanhCubic) * x * x);
     return s + x * 2.0f * s * (e * s) * du;
   }
-  return normal_cdf_f(x) + x * float(kInvSqrt2Pi) * exp_f(-0.5f * x * x);
+  return normal_cdf_f(x) + x * float(kInvSqrt2Pi) * fast_expf(-0.5f * x * x);
 }
 
 // float64 through libm.
