@@ -16,6 +16,8 @@ and which recompute mode each layer can afford under a memory budget (plan).
 import contextlib
 import dataclasses
 import functools
+import os
+import sys
 import weakref
 from collections import OrderedDict
 
@@ -361,6 +363,20 @@ def _sac_cache(mode):
 # CPU peak memory
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """The profiler's native logger prints start/stop lines on fd 2; keep them out of the report."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def cpu_peak_bytes(fn):
     """Peak of CPU bytes allocated minus freed while `fn()` runs, from the allocator's own events.
 
@@ -372,7 +388,7 @@ def cpu_peak_bytes(fn):
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     try:
         raw = prof.profiler.kineto_results.events()
