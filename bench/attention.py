@@ -22,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import selective_ckpt  # noqa: E402
+from selective_ckpt import memory  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -85,16 +86,6 @@ def time_impl(fn, qkv, grad, args, device):
     return [statistics.median(x) for x in (fwd, bwd, both)]
 
 
-def _cpu_alloc_trace(step):
-    """Allocation deltas (bytes, in time order) of everything `step` allocates on the CPU."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    return [n for _, n in sorted(events)]
-
-
 def memory_impl(fn, qkv, grad, args, device):
     """(peak bytes over forward+backward, bytes a forward leaves alive) above what existed before."""
     qkv.grad = None
@@ -112,13 +103,10 @@ def memory_impl(fn, qkv, grad, args, device):
         qkv.grad = None
         return peak, kept
     holder = {}
-    trace = _cpu_alloc_trace(lambda: holder.__setitem__("o", fn(*views(qkv), args.causal, args.dropout)))
+    trace = memory.cpu_allocation_deltas(lambda: holder.__setitem__("o", fn(*views(qkv), args.causal, args.dropout)))
     kept = sum(trace)
-    trace += _cpu_alloc_trace(lambda: holder.pop("o").backward(grad))
-    current = peak = 0
-    for n in trace:
-        current += n
-        peak = max(peak, current)
+    trace += memory.cpu_allocation_deltas(lambda: holder.pop("o").backward(grad))
+    peak = memory.running_peak(trace)
     qkv.grad = None
     return peak, kept
 

@@ -4,9 +4,8 @@ Eager is nn.Sequential(Linear, GELU, Linear, Dropout) with the same weights. One
 backward with a fixed output gradient. Reports the min and median step time and the peak bytes the step
 allocates on top of inputs and parameters, with ratios against eager and against store mode.
 
-Peak memory: on CUDA the caching allocator's peak; on CPU the largest total of live storages
-created by the step's ops, sampled after every op (a dispatch-mode tracker that ignores views of
-inputs and parameters; buffers internal to one op are not seen).
+Peak memory: on CUDA the caching allocator's peak; on CPU selective_ckpt.memory.cpu_peak_bytes,
+the running sum of the profiler's allocation events (buffers inside custom ops included).
 
     python bench/mlp.py --tokens 2048 --d-in 512 --hidden 2048
 """
@@ -17,33 +16,8 @@ import time
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from selective_ckpt import gelu_mlp
-
-
-class PeakTracker(TorchDispatchMode):
-    """Peak total size of storages produced by ops while active and still alive after an op."""
-
-    def __init__(self, existing=()):
-        super().__init__()
-        self.existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}  # inputs, parameters
-        self.live = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                ref = StorageWeakRef(t.untyped_storage())
-                if ref.cdata in self.existing:  # a view of an input or parameter
-                    continue
-                self.live.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
+from selective_ckpt import gelu_mlp, memory
 
 
 def make_eager(d_in, hidden, p, approximate, dtype, device):
@@ -91,8 +65,10 @@ def time_steps(steps, device, repeats, warmup=2):
     return {kind: (min(t), statistics.median(t)) for kind, t in times.items()}
 
 
-def peak_bytes(step, device, existing):
+def peak_bytes(step, device, model, x):
     step()  # warm up lazy state so it is not counted
+    for t in (*model.parameters(), x):  # so the step allocates its gradients afresh
+        t.grad = None
     if device.type == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -100,10 +76,7 @@ def peak_bytes(step, device, existing):
         step()
         sync(device)
         return torch.cuda.max_memory_allocated(device) - base
-    tracker = PeakTracker(existing)
-    with tracker:
-        step()
-    return tracker.peak
+    return memory.cpu_peak_bytes(step)
 
 
 def main():
@@ -129,7 +102,7 @@ def main():
     steps = {kind: step_fn(kind, model, x, dy, args.dropout, args.approximate)
              for kind in ("eager", "store", "selective")}
     times = time_steps(steps, device, args.repeats)
-    results = {kind: (times[kind], peak_bytes(step, device, [x, dy, *model.parameters()]))
+    results = {kind: (times[kind], peak_bytes(step, device, model, x))
                for kind, step in steps.items()}
     (t_e, med_e), m_e = results["eager"]
     (t_s, med_s), m_s = results["store"]

@@ -377,14 +377,11 @@ def _native_stderr_silenced():
         os.close(devnull)
 
 
-def cpu_peak_bytes(fn):
-    """Peak of CPU bytes allocated minus freed while `fn()` runs, from the allocator's own events.
+def cpu_allocation_deltas(fn):
+    """Byte deltas (+ allocation, - free) of every CPU allocation while `fn()` runs, in time order.
 
-    The profiler (profile_memory=True) records every CPU allocation and free with its size, inside
-    custom ops and C++ kernels too; the running sum of those deltas in time order peaks at the
-    figure CUDA's max_memory_allocated gives there. Memory freed inside `fn` that was allocated
-    before it is not seen (set gradients to None beforehand). Falls back to StorageTracker where the
-    profiler's raw events are not available.
+    From the profiler (profile_memory=True), which sees allocations inside custom ops and C++
+    kernels too. Returns None where the profiler's raw events are not available.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -392,18 +389,35 @@ def cpu_peak_bytes(fn):
         fn()
     try:
         raw = prof.profiler.kineto_results.events()
-        deltas = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
     except AttributeError:
-        tracker = StorageTracker()
-        with tracker:
-            fn()
-        return tracker.peak
+        return None
+    return [n for _, n in sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")]
+
+
+def running_peak(deltas):
+    """Highest running sum of allocation deltas (0 if it never rises above the start)."""
     current = peak = 0
-    for _, n in deltas:
+    for n in deltas:
         current += n
         peak = max(peak, current)
     return peak
 
+
+def cpu_peak_bytes(fn):
+    """Peak of CPU bytes allocated minus freed while `fn()` runs, from the allocator's own events.
+
+    The running sum of `cpu_allocation_deltas` peaks at the figure CUDA's max_memory_allocated gives
+    there. Memory freed inside `fn` that was allocated before it is not seen (set gradients to None
+    beforehand). Falls back to StorageTracker (op outputs only) where the profiler's raw events are
+    not available; `fn` then runs a second time.
+    """
+    deltas = cpu_allocation_deltas(fn)
+    if deltas is not None:
+        return running_peak(deltas)
+    tracker = StorageTracker()
+    with tracker:
+        fn()
+    return tracker.peak
 
 
 class StorageTracker(torch.utils._python_dispatch.TorchDispatchMode):
