@@ -57,8 +57,11 @@ def elementwise_keep(k0, k1, rows, cols, t16):
 def _philox_words_kernel(counters, out, n, k0, k1, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = idx < n
-    c = [tl.load(counters + idx * 4 + q, mask=live, other=0).to(tl.uint32) for q in tl.static_range(4)]
-    w0, w1, w2, w3 = philox4x32_10(c[0], c[1], c[2], c[3], k0.to(tl.uint32), k1.to(tl.uint32))
+    c0 = tl.load(counters + idx * 4 + 0, mask=live, other=0).to(tl.uint32)
+    c1 = tl.load(counters + idx * 4 + 1, mask=live, other=0).to(tl.uint32)
+    c2 = tl.load(counters + idx * 4 + 2, mask=live, other=0).to(tl.uint32)
+    c3 = tl.load(counters + idx * 4 + 3, mask=live, other=0).to(tl.uint32)
+    w0, w1, w2, w3 = philox4x32_10(c0, c1, c2, c3, k0.to(tl.uint32), k1.to(tl.uint32))
     tl.store(out + idx * 4 + 0, w0.to(tl.int64), mask=live)
     tl.store(out + idx * 4 + 1, w1.to(tl.int64), mask=live)
     tl.store(out + idx * 4 + 2, w2.to(tl.int64), mask=live)
