@@ -6,9 +6,9 @@ masks, GELU and LayerNorm outputs are recomputed inside the backward kernels.
 
 from . import memory, rng
 from .attention import attention
-from .mlp import gelu_mlp
 from .convert import convert
 from .layers import SelectiveAttention, SelectiveDecoderLayer, SelectiveMLP, set_recompute
+from .mlp import gelu_mlp
 from .ops import dropout
 
 __all__ = ["SelectiveAttention", "SelectiveDecoderLayer", "SelectiveMLP", "attention", "convert", "dropout", "gelu_mlp",

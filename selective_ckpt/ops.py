@@ -6,6 +6,7 @@ Seeds cross op schemas as signed int64 (two's complement of the 64-bit seed, see
 """
 
 import os
+from typing import Optional
 
 import torch
 
@@ -111,9 +112,6 @@ def dropout(x: torch.Tensor, p: float, seed=None) -> torch.Tensor:
 # for float64 inputs); `layer_norm_apply` rebuilds y from (x, mean, rstd) bit-identically, which is
 # what lets the fused LN->Linear and LN->MLP pieces drop the LayerNorm output after forward.
 
-from typing import Optional, Tuple  # noqa: E402
-
-
 def ln_stat_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -125,7 +123,7 @@ def _ln_rows(x):
 
 @torch.library.custom_op("selective_ckpt::layer_norm_fwd", mutates_args=())
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x, weight = x.contiguous(), weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     rows, n = _ln_rows(x)
@@ -177,7 +175,7 @@ def _(x, weight, bias, mean, rstd):
 
 @torch.library.custom_op("selective_ckpt::layer_norm_bwd", mutates_args=())
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias) of y = LayerNorm(x) * weight + bias."""
     dy, x, weight = dy.contiguous(), x.contiguous(), weight.contiguous()
     mean, rstd = mean.contiguous(), rstd.contiguous()
@@ -227,7 +225,6 @@ layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm
 # [B, Sq, H, D] buffer, and the row logsumexp (fp32 [B, H, Sq], +inf where a row attends nothing).
 # Autograd saves q, k, v as given, o, lse and the seed; P is rebuilt from lse in backward.
 
-from typing import Optional  # noqa: E402
 
 # Score elements (heads x query rows x keys) one CPU chunk may hold; the chunk's two score-sized
 # temporaries are the only memory that grows with Sk. Chunks of this size (2 MiB in fp32) ran as
