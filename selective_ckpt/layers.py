@@ -25,16 +25,17 @@ ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}  # activation -> GELU `appro
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_positive_int(value, name):
+def check_positive_int(value, name):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
-def _check_heads(hidden_dim, num_heads):
+def check_heads(hidden_dim, num_heads):
     from .attention import MAX_HEAD_DIM
 
-    _check_positive_int(hidden_dim, "hidden_dim")
-    _check_positive_int(num_heads, "num_heads")
+    check_positive_int(hidden_dim, "hidden_dim")
+    check_positive_int(num_heads, "num_heads")
     if hidden_dim % num_heads:
         raise ValueError(f"hidden_dim ({hidden_dim}) must be divisible by num_heads ({num_heads})")
     head_dim = hidden_dim // num_heads
@@ -55,7 +56,7 @@ def check_mode(mode):
     return mode
 
 
-def _ffn_dim(hidden_dim, mlp_ratio):
+def ffn_dim(hidden_dim, mlp_ratio):
     if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not mlp_ratio > 0:
         raise ValueError(f"mlp_ratio must be a positive number, got {mlp_ratio!r}")
     ffn = int(round(hidden_dim * mlp_ratio))
@@ -105,7 +106,7 @@ class SelectiveAttention(nn.Module):
     def __init__(self, hidden_dim, num_heads, dropout=0.0, attn_dropout=0.0, causal=True, bias=True,
                  softmax_scale=None, device=None, dtype=None):
         super().__init__()
-        _check_heads(hidden_dim, num_heads)
+        check_heads(hidden_dim, num_heads)
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
         if not isinstance(causal, bool):
@@ -133,8 +134,8 @@ class SelectiveMLP(nn.Module):
     def __init__(self, hidden_dim, mlp_ratio=4.0, dropout=0.0, activation="gelu", bias=True, device=None,
                  dtype=None):
         super().__init__()
-        _check_positive_int(hidden_dim, "hidden_dim")
-        ffn = _ffn_dim(hidden_dim, mlp_ratio)
+        check_positive_int(hidden_dim, "hidden_dim")
+        ffn = ffn_dim(hidden_dim, mlp_ratio)
         self.approximate = _check_activation(activation)
         rng.threshold(dropout, "dropout")
         self.activation, self.dropout = activation, float(dropout)
@@ -163,8 +164,8 @@ class SelectiveDecoderLayer(nn.Module):
     def __init__(self, hidden_dim, num_heads, mlp_ratio=4.0, dropout=0.0, attn_dropout=0.0, causal=True,
                  activation="gelu", norm_eps=1e-5, bias=True, recompute="selective", device=None, dtype=None):
         super().__init__()
-        self.head_dim = _check_heads(hidden_dim, num_heads)
-        ffn = _ffn_dim(hidden_dim, mlp_ratio)
+        self.head_dim = check_heads(hidden_dim, num_heads)
+        ffn = ffn_dim(hidden_dim, mlp_ratio)
         self.approximate = _check_activation(activation)
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
@@ -249,7 +250,7 @@ def set_recompute(model, mode_or_list, every=None):
         check_mode(mode_or_list)
         modes = [mode_or_list] * len(layers)
         if every is not None:
-            _check_positive_int(every, "every")
+            check_positive_int(every, "every")
             modes = ["full" if i % every == 0 else mode_or_list for i in range(len(layers))]
     elif isinstance(mode_or_list, (list, tuple)):
         if every is not None:

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .layers import check_heads, check_mode, check_positive_int, ffn_dim
+
 MODES = ("none", "selective", "full")
 
 _DTYPE_NAMES = {
@@ -460,29 +462,10 @@ class StorageTracker(torch.utils._python_dispatch.TorchDispatchMode):
 # ---------------------------------------------------------------------------------------------
 # Analytic estimate
 
-def _positive_int(v, name):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return v
-
-
 def _check_shape(hidden_dim, num_heads, mlp_ratio):
-    _positive_int(hidden_dim, "hidden_dim")
-    _positive_int(num_heads, "num_heads")
-    if hidden_dim % num_heads:
-        raise ValueError(f"hidden_dim ({hidden_dim}) must be divisible by num_heads ({num_heads})")
-    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not mlp_ratio > 0:
-        raise ValueError(f"mlp_ratio must be a positive number, got {mlp_ratio!r}")
-    ffn = int(hidden_dim * mlp_ratio)
-    if ffn < 1:
-        raise ValueError(f"mlp_ratio {mlp_ratio} gives an empty MLP for hidden_dim {hidden_dim}")
-    return ffn
-
-
-def _check_mode(recompute):
-    if recompute not in MODES:
-        raise ValueError(f"recompute must be one of {', '.join(map(repr, MODES))}, got {recompute!r}")
-    return recompute
+    """The layer's own constructor checks, so estimates exist exactly for layers that can be built."""
+    check_heads(hidden_dim, num_heads)
+    return ffn_dim(hidden_dim, mlp_ratio)
 
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False):
@@ -497,9 +480,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     `breakdown=True` returns a dict of the parts (bytes) instead of the total.
     """
     ffn = _check_shape(hidden_dim, num_heads, mlp_ratio)
-    _positive_int(seq_len, "seq_len")
-    _positive_int(batch, "batch")
-    _check_mode(recompute)
+    check_positive_int(seq_len, "seq_len")
+    check_positive_int(batch, "batch")
+    check_mode(recompute)
     dtype = as_dtype(dtype)
     e = torch.empty((), dtype=dtype).element_size()
     acc = 8 if dtype == torch.float64 else 4
@@ -545,7 +528,7 @@ def recompute_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, recomput
     one more forward of the layer (`forward_flops`).
     """
     ffn = _check_shape(hidden_dim, num_heads, mlp_ratio)
-    _check_mode(recompute)
+    check_mode(recompute)
     t = seq_len * batch
     if recompute == "none":
         return 0
@@ -626,7 +609,7 @@ def _layers_of(model_or_shape, num_layers):
                         f"with hidden_dim, num_heads, num_layers (...), got {type(model_or_shape).__name__}")
     if num_layers is None:
         raise ValueError("num_layers is required when model_or_shape is a shape")
-    _positive_int(num_layers, "num_layers")
+    check_positive_int(num_layers, "num_layers")
     shape = dataclasses.replace(shape, dtype=as_dtype(shape.dtype))
     _check_shape(shape.hidden_dim, shape.num_heads, shape.mlp_ratio)
     return [shape] * num_layers
@@ -664,15 +647,15 @@ def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes
     max_batch: the largest batch that fits with every layer in one mode, per mode). An infeasible
     budget raises ValueError stating the minimum.
     """
-    _positive_int(batch, "batch")
-    _positive_int(seq_len, "seq_len")
+    check_positive_int(batch, "batch")
+    check_positive_int(seq_len, "seq_len")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or not budget_bytes > 0:
         raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
     modes = tuple(modes)
     if not modes:
         raise ValueError("modes must name at least one recompute mode")
     for m in modes:
-        _check_mode(m)
+        check_mode(m)
     shapes = _layers_of(model_or_shape, num_layers)
 
     # Group identical layers: within a group only the counts per mode matter.

@@ -266,6 +266,16 @@ def test_estimate_equals_ledger_on_the_layer(mode, dtype):
         assert dict(rep.by_layer) == {"SelectiveDecoderLayer": rep.total}
 
 
+def test_estimate_equals_ledger_for_a_fractional_mlp_ratio():
+    # 60 * 4.1 is 245.99999999999997 in floating point: estimate must size fc1 as the layer does.
+    layers = pytest.importorskip("selective_ckpt.layers")
+    h, a, s, b, ratio = 60, 4, 5, 2, 4.1
+    layer = layers.SelectiveDecoderLayer(h, a, mlp_ratio=ratio)
+    assert layer.fc1.out_features == 246
+    rep = memory.ledger(layer, torch.randn(b, s, h, requires_grad=True))
+    assert rep.total == memory.estimate(h, a, s, b, torch.float32, mlp_ratio=ratio)
+
+
 def test_ledger_per_layer_in_a_stack():
     layers = pytest.importorskip("selective_ckpt.layers")
     torch.manual_seed(0)
