@@ -81,11 +81,11 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     rng.threshold(dropout_p, "dropout_p")
     mask = _check_mask(key_padding_mask, q, k)
     scale = _check_scale(softmax_scale, q.shape[-1])
-    if seed is not None:
-        rng.check_seed(seed)
-    elif dropout_p > 0:
-        seed = rng.draw_seed(q.device)
+    if dropout_p > 0:
+        seed = rng.seed_arg(seed, q.device)
     else:
-        seed = 0  # no mask is drawn; leaving torch's generator untouched keeps p=0 traceable
-    o, _ = ops.attention_fwd_op(q, k, v, mask, causal, float(dropout_p), scale, rng.seed_to_int64(seed))
+        if seed is not None:
+            rng.seed_arg(seed)  # validated all the same
+        seed = rng.unused_seed()  # no mask is drawn; torch's generator is left untouched
+    o, _ = ops.attention_fwd_op(q, k, v, mask, causal, float(dropout_p), scale, seed)
     return o

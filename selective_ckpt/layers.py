@@ -94,7 +94,7 @@ def _attend(qkv, num_heads, causal, dropout_p, attention_mask, seed, softmax_sca
 
 
 def _draw(p, device):
-    return rng.draw_seed(device) if p > 0 else 0
+    return rng.draw_seed_tensor(device) if p > 0 else None
 
 
 class SelectiveAttention(nn.Module):
@@ -157,8 +157,8 @@ class SelectiveDecoderLayer(nn.Module):
     `recompute` picks what is kept for backward ("selective", "none", "full"; see the module doc);
     it can be changed at any time (set_recompute). Under no_grad nothing is kept in any mode.
     Each training forward with dropout draws three seeds (attention, proj, MLP) from torch's
-    generator as host ints: torch.compile(fullgraph=True) therefore needs dropout 0 (or eval());
-    with dropout it compiles with a graph break at the draw.
+    generator as seed tensors (rng.draw_seed_tensor), so torch.compile(fullgraph=True) traces the
+    draw too; autograd keeps each seed (8 bytes) instead of a mask.
     """
 
     def __init__(self, hidden_dim, num_heads, mlp_ratio=4.0, dropout=0.0, attn_dropout=0.0, causal=True,

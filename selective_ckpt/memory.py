@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from . import rng
 from .layers import check_heads, check_mode, check_positive_int, ffn_dim
 
 MODES = ("none", "selective", "full")
@@ -468,15 +469,17 @@ def _check_shape(hidden_dim, num_heads, mlp_ratio):
     return ffn_dim(hidden_dim, mlp_ratio)
 
 
-def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False):
+def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
+             dropout=0.0, attn_dropout=0.0):
     """Bytes one SelectiveDecoderLayer keeps for backward (DESIGN.md's memory contract).
 
-    With e = element size, t = s*b tokens, h hidden, a heads, f = int(h * mlp_ratio) and 4-byte
+    With e = element size, t = s*b tokens, h hidden, a heads, f = the layer's fc1 width and 4-byte
     fp32 statistics (8 for float64 layers):
       selective: t*(h + 3h + h + h + f)*e  [x, q/k/v, o, x1, fc1 out] + a*t*4 [lse] + 2*2*t*4 [LN mean, rstd]
       none:      t*(h + h + 3h + h + h + h + 2f)*e  [adds LN1, LN2 and GELU outputs] + the same lse and stats
       full:      t*h*e  [the layer input only]
-    Dropout keeps an 8-byte seed per call as a Python int, not a tensor: nothing to count.
+    Dropout keeps an 8-byte seed tensor per site that is on (rates `dropout`, `attn_dropout` as in
+    the layer, training): attention probabilities, proj output, MLP output; "full" keeps none.
     `breakdown=True` returns a dict of the parts (bytes) instead of the total.
     """
     ffn = _check_shape(hidden_dim, num_heads, mlp_ratio)
@@ -495,6 +498,11 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
                  "lse": num_heads * t * acc, "ln_stats": 2 * 2 * t * acc}
         if recompute == "none":
             parts.update(ln1_out=t * h * e, ln2_out=t * h * e, gelu_out=t * ffn * e)
+        rng.threshold(dropout, "dropout")
+        rng.threshold(attn_dropout, "attn_dropout")
+        sites = (attn_dropout > 0) + 2 * (dropout > 0)
+        if sites:
+            parts["seeds"] = 8 * sites
     return parts if breakdown else sum(parts.values())
 
 

@@ -53,8 +53,8 @@ def mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activatio
     """Forward of the GELU-MLP without autograd; returns (y, h, a_or_None).
 
     x [..., in]; w1 [hidden, in]; b1 [hidden] or None; w2 [out, hidden]; b2 [out] or None.
-    dropout_p: float in [0, 1); approximate: "none" | "tanh"; seed: Python int in [0, 2**64),
-    ignored when dropout_p == 0. Operands are assumed valid (see check_mlp_args).
+    dropout_p: float in [0, 1); approximate: "none" | "tanh"; seed: a Python int in [0, 2**64) or
+    a seed tensor (rng.seed_arg), ignored when dropout_p == 0. Operands are assumed valid (see check_mlp_args).
 
     Returns y [..., out], h = x @ w1^T + b1 [..., hidden] (the GELU input, to be saved), and the
     GELU output a [..., hidden] only when store_activation is True (else None: a is freed here
@@ -66,7 +66,7 @@ def mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activatio
     a = ops.mlp_gelu_op(h, approximate)
     y = _linear(a, w2, b2)
     if dropout_p:
-        y = ops.dropout_op(y, float(dropout_p), rng.seed_to_int64(seed))
+        y = ops.dropout_op(y, float(dropout_p), rng.seed_arg(seed))
     hidden, out = w1.shape[0], w2.shape[0]
     kept = a.reshape(*lead, hidden) if store_activation else None
     return y.reshape(*lead, out), h.reshape(*lead, hidden), kept
@@ -88,7 +88,7 @@ def mlp_backward(dy, x, h, a_or_None, w1, b1, w2, b2, dropout_p, approximate, se
     hidden, out = w1.shape[0], w2.shape[0]
     dz = dy.reshape(-1, out)
     if dropout_p:
-        dz = ops.dropout_op(dz, float(dropout_p), rng.seed_to_int64(seed))
+        dz = ops.dropout_op(dz, float(dropout_p), rng.seed_arg(seed))
     else:
         dz = dz.contiguous()
     h2 = h.reshape(-1, hidden)
@@ -120,14 +120,14 @@ class _GeluMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation):
         y, h, a = mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation)
-        ctx.save_for_backward(x, h, a, w1, b1, w2, b2)
-        ctx.dropout_p, ctx.approximate, ctx.seed = dropout_p, approximate, seed
+        ctx.save_for_backward(x, h, a, w1, b1, w2, b2, seed if dropout_p else None)
+        ctx.dropout_p, ctx.approximate = dropout_p, approximate
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, h, a, w1, b1, w2, b2 = ctx.saved_tensors
-        grads = mlp_backward(dy, x, h, a, w1, b1, w2, b2, ctx.dropout_p, ctx.approximate, ctx.seed,
+        x, h, a, w1, b1, w2, b2, seed = ctx.saved_tensors
+        grads = mlp_backward(dy, x, h, a, w1, b1, w2, b2, ctx.dropout_p, ctx.approximate, seed,
                              ctx.needs_input_grad[:5])
         return (*grads, None, None, None, None)
 
@@ -149,7 +149,9 @@ def gelu_mlp(x, w1, b1, w2, b2, dropout_p=0.0, approximate="none", seed=None, *,
         raise TypeError(f"store_activation must be a bool, got {type(store_activation).__name__}")
     dropout_p = float(dropout_p)
     if dropout_p:
-        seed = rng.resolve_seed(seed, x.device)
+        seed = rng.seed_arg(seed, x.device)
     else:
-        seed = 0 if seed is None else rng.check_seed(seed)
+        if seed is not None:
+            rng.seed_arg(seed)  # validated all the same
+        seed = None
     return _GeluMLP.apply(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation)

@@ -16,7 +16,7 @@ autocast, which is what eager's layer_norm does there) and the matmuls in `compu
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import ops, rng
 
 
 def _check_ln_args(x, weight, bias, eps):
@@ -132,24 +132,25 @@ class _LNMLP(torch.autograd.Function):
         w1c, b1c, w2c, b2c = w1.to(cd), _cast(b1, cd), w2.to(cd), _cast(b2, cd)
         out, h, a = mlp.mlp_forward(u, w1c, b1c, w2c, b2c, p, approximate, seed, store)
         ctx.eps, ctx.store, ctx.cd, ctx.nd = eps, store, cd, nd
-        ctx.p, ctx.approximate, ctx.seed = p, approximate, seed
+        ctx.p, ctx.approximate = p, approximate
         ctx.has_ln_bias = ln_b is not None
         ctx.param_dtypes = (w1.dtype, None if b1 is None else b1.dtype, w2.dtype, None if b2 is None else b2.dtype)
-        ctx.save_for_backward(x, ln_w, ln_b, w1c, b1c, w2c, b2c, mean, rstd, h, a, u if store else None)
+        ctx.save_for_backward(x, ln_w, ln_b, w1c, b1c, w2c, b2c, mean, rstd, h, a, u if store else None,
+                              seed if p else None)
         return out
 
     @staticmethod
     def backward(ctx, dy):
         from . import mlp
 
-        x, ln_w, ln_b, w1, b1, w2, b2, mean, rstd, h, a, u = ctx.saved_tensors
+        x, ln_w, ln_b, w1, b1, w2, b2, mean, rstd, h, a, u, seed = ctx.saved_tensors
         need = ctx.needs_input_grad
         if u is None:
             u = _ln_recompute(x, ln_w, ln_b, mean, rstd, ctx.nd).to(ctx.cd)
         need_u = need[0] or need[1] or need[2]
         mlp_need = (need_u, need[3], need[4], need[5], need[6])
         du, dw1, db1, dw2, db2 = mlp.mlp_backward(dy.contiguous(), u, h, a, w1, b1, w2, b2, ctx.p, ctx.approximate,
-                                                 ctx.seed, mlp_need)
+                                                 seed, mlp_need)
         grads = [g if (g is None or dt is None) else g.to(dt) for g, dt in zip((dw1, db1, dw2, db2), ctx.param_dtypes)]
         dx = dlw = dlb = None
         if need_u:
@@ -157,10 +158,13 @@ class _LNMLP(torch.autograd.Function):
         return (dx, dlw, dlb, *grads, None, None, None, None, None, None)
 
 
-def ln_mlp(x, ln_w, ln_b, w1, b1, w2, b2, eps=1e-5, dropout_p=0.0, approximate="none", seed=0, store=False):
+def ln_mlp(x, ln_w, ln_b, w1, b1, w2, b2, eps=1e-5, dropout_p=0.0, approximate="none", seed=None, store=False):
     """gelu_mlp(layer_norm(x)) in one autograd node keeping x, mean, rstd and the fc1 output.
+
+    `seed` is a seed tensor (rng.seed_arg) or an int, required when dropout_p > 0.
 
     With `store`, LN(x) and the GELU output are kept too (nothing recomputed, same bits).
     """
+    seed = rng.seed_arg(seed, x.device) if dropout_p else None
     return _LNMLP.apply(x, ln_w, ln_b, w1, b1, w2, b2, float(eps), float(dropout_p), approximate, seed, bool(store),
                         compute_dtype(x))

@@ -54,13 +54,13 @@ def rows_cols(t: torch.Tensor):
 # Elementwise dropout: saves only its seed; backward regenerates the same mask.
 
 @torch.library.custom_op("selective_ckpt::dropout", mutates_args=())
-def dropout_op(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def dropout_op(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
     rows, cols = rows_cols(x)
     if x.numel() == 0:
         return y
-    t16, scale, seed = rng.threshold(p), rng.keep_scale(p), rng.int64_to_seed(seed)
+    t16, scale, seed = rng.threshold(p), rng.keep_scale(p), rng.seed_from_tensor(seed)
     if backend_for(x) == "cpp":
         _C.dropout(dtype_code(x), ptr(x), ptr(y), rows, cols, seed, t16, scale)
     else:
@@ -76,11 +76,13 @@ def _(x, p, seed):
 
 
 def _dropout_setup(ctx, inputs, output):
-    _, ctx.p, ctx.seed = inputs
+    _, ctx.p, seed = inputs
+    ctx.save_for_backward(seed)
 
 
 def _dropout_backward(ctx, grad):
-    return dropout_op(grad.contiguous(), ctx.p, ctx.seed), None, None
+    (seed,) = ctx.saved_tensors
+    return dropout_op(grad.contiguous(), ctx.p, seed), None, None
 
 
 dropout_op.register_autograd(_dropout_backward, setup_context=_dropout_setup)
@@ -103,8 +105,7 @@ def dropout(x: torch.Tensor, p: float, seed=None) -> torch.Tensor:
     rng.threshold(p)
     if p == 0:
         return x
-    seed = rng.resolve_seed(seed, x.device)
-    return dropout_op(x, float(p), rng.seed_to_int64(seed))
+    return dropout_op(x, float(p), rng.seed_arg(seed, x.device))
 
 
 # ---- layernorm ----
@@ -315,13 +316,14 @@ def _attention_bwd_cpp(do, q, k, v, lse, dq, dk, dv, mask, causal, scale, seed, 
 
 @torch.library.custom_op("selective_ckpt::attention_fwd", mutates_args=())
 def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
-                     causal: bool, dropout_p: float, softmax_scale: float, seed: int
+                     causal: bool, dropout_p: float, softmax_scale: float, seed: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, Sq, _ = q.shape
     o = _attention_out(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
-    t16, ks, seed = rng.threshold(dropout_p), rng.keep_scale(dropout_p), rng.int64_to_seed(seed)
+    t16, ks = rng.threshold(dropout_p), rng.keep_scale(dropout_p)
+    seed = rng.seed_from_tensor(seed) if dropout_p > 0 else 0
     if backend_for(q) == "cpp":
         _attention_fwd_cpp(q, k, v, o, lse, mask, causal, softmax_scale, seed, t16, ks)
     else:
@@ -340,11 +342,12 @@ def _(q, k, v, key_padding_mask, causal, dropout_p, softmax_scale, seed):
 @torch.library.custom_op("selective_ckpt::attention_bwd", mutates_args=())
 def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                      lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, dropout_p: float,
-                     softmax_scale: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     softmax_scale: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do = do.contiguous()  # a grad from .sum().backward() has stride 0
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
-    t16, ks, seed = rng.threshold(dropout_p), rng.keep_scale(dropout_p), rng.int64_to_seed(seed)
+    t16, ks = rng.threshold(dropout_p), rng.keep_scale(dropout_p)
+    seed = rng.seed_from_tensor(seed) if dropout_p > 0 else 0
     if backend_for(q) == "cpp":  # the row kernel takes delta from each row of P and dP
         _attention_bwd_cpp(do, q, k, v, lse.contiguous(), dq, dk, dv, mask, causal, softmax_scale, seed, t16, ks)
     else:
@@ -362,15 +365,15 @@ def _(do, q, k, v, o, lse, key_padding_mask, causal, dropout_p, softmax_scale, s
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, mask, ctx.causal, ctx.dropout_p, ctx.softmax_scale, ctx.seed = inputs
+    q, k, v, mask, ctx.causal, ctx.dropout_p, ctx.softmax_scale, seed = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, mask)
+    ctx.save_for_backward(q, k, v, o, lse, mask, seed if ctx.dropout_p > 0 else None)
 
 
 def _attention_backward(ctx, do, _dlse):
-    q, k, v, o, lse, mask = ctx.saved_tensors
-    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, mask, ctx.causal, ctx.dropout_p, ctx.softmax_scale,
-                                  ctx.seed)
+    q, k, v, o, lse, mask, seed = ctx.saved_tensors
+    seed = rng.unused_seed() if seed is None else seed
+    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, mask, ctx.causal, ctx.dropout_p, ctx.softmax_scale, seed)
     return dq, dk, dv, None, None, None, None, None
 
 

@@ -37,10 +37,20 @@ def keep_scale(p) -> float:
 
 
 def check_seed(seed, name="seed") -> int:
+    """The seed as a Python int in [0, 2**64); a seed tensor (see seed_arg) is read back."""
+    if isinstance(seed, torch.Tensor):
+        return seed_from_tensor(check_seed_tensor(seed, name))
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"{name} must be a Python int in [0, 2**64), got {type(seed).__name__}")
+        raise TypeError(f"{name} must be a Python int in [0, 2**64) or a seed tensor, got {type(seed).__name__}")
     if not 0 <= seed < SEED_RANGE:
         raise ValueError(f"{name} must be in [0, 2**64), got {seed}")
+    return seed
+
+
+def check_seed_tensor(seed, name="seed"):
+    if seed.dtype != torch.int32 or tuple(seed.shape) != (2,):
+        raise TypeError(f"{name} as a tensor must be int32 of shape [2] (the seed's low and high words, "
+                        f"see rng.seed_arg), got {seed.dtype} {list(seed.shape)}")
     return seed
 
 
@@ -70,9 +80,43 @@ def resolve_seed(seed, device) -> int:
     return draw_seed(device) if seed is None else check_seed(seed)
 
 
+# Seeds cross the custom ops as tensors: int32 [2] holding the seed's low and high 32-bit words
+# (as int32 bit patterns). Drawing one is then an ordinary tensor op that torch.compile traces
+# without a graph break, and autograd keeps the 8 bytes of DESIGN.md's "dropout state".
+
+def draw_seed_tensor(device=None, generator=None) -> torch.Tensor:
+    """A fresh seed as a seed tensor: the same draw as draw_seed (same generator use and value)."""
+    if generator is not None:
+        device = generator.device
+    halves = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device=device, generator=generator)
+    return halves.to(torch.int32)  # keeps the low 32 bits of each word
+
+
+def seed_arg(seed, device=None) -> torch.Tensor:
+    """The seed tensor for an op: None draws one on `device`, an int is validated and packed."""
+    if seed is None:
+        return draw_seed_tensor(device)
+    if isinstance(seed, torch.Tensor):
+        return check_seed_tensor(seed)
+    seed = check_seed(seed)
+    lo, hi = seed & 0xFFFFFFFF, seed >> 32
+    return torch.tensor([lo - (1 << 32) if lo >> 31 else lo, hi - (1 << 32) if hi >> 31 else hi], dtype=torch.int32)
+
+
+def seed_from_tensor(seed: torch.Tensor) -> int:
+    """The Python int in [0, 2**64) a seed tensor holds (reads it back from its device)."""
+    lo, hi = (w & 0xFFFFFFFF for w in seed.tolist())
+    return lo | (hi << 32)
+
+
+def unused_seed() -> torch.Tensor:
+    """The seed tensor passed where dropout is off: no generator is touched."""
+    return torch.zeros(2, dtype=torch.int32)
+
+
 def philox4x32(seed: int, counters: torch.Tensor) -> torch.Tensor:
     """Philox4x32-10 of `counters` (int64 [..., 4], values in [0, 2**32)) with key (seed lo, seed hi)."""
-    check_seed(seed)
+    seed = check_seed(seed)
     if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int64:
         raise TypeError("counters must be an int64 tensor")
     if counters.dim() == 0 or counters.shape[-1] != 4:

@@ -224,7 +224,9 @@ def test_saves_only_qkv_o_lse_and_seed(use_backend):
     assert o.untyped_storage().data_ptr() in storages  # the very buffer that was returned
     lse = [t for t in saved if t.dtype == torch.float32 and t.shape == (B, H, S)]
     assert len(lse) == 1
-    assert sum(storages.values()) == (3 + 1) * B * S * H * D * 4 + B * H * S * 4
+    seeds = [t for t in saved if t.dtype == torch.int32]
+    assert len(seeds) == 1 and rng.seed_from_tensor(seeds[0]) == 5  # the dropout state: 8 bytes
+    assert sum(storages.values()) == (3 + 1) * B * S * H * D * 4 + B * H * S * 4 + 8
     # o is a [B, H, S, D] view of [B, S, H, D]: the layer's reshape for proj needs no copy.
     flat = o.transpose(1, 2).reshape(B, S, H * D)
     assert flat.data_ptr() == o.data_ptr() and o.transpose(1, 2).is_contiguous()
@@ -318,11 +320,11 @@ def test_opcheck_both_ops(use_backend):
     q, k, v = make_inputs(2, 2, 9, 13, 16, torch.float32)
     mask = make_mask(2, 13)
     q.requires_grad_()
-    seed = rng.seed_to_int64(2**64 - 5)
+    seed = rng.seed_arg(2**64 - 5)
     torch.library.opcheck(ops.attention_fwd_op, (q, k, v, mask, True, 0.2, 0.25, seed))
-    o, lse = ops.attention_fwd_op(q, k, v, None, False, 0.0, 0.25, 0)
-    torch.library.opcheck(ops.attention_bwd_op,
-                          (torch.randn_like(o), q.detach(), k, v, o.detach(), lse.detach(), mask, False, 0.0, 0.25, 0))
+    o, lse = ops.attention_fwd_op(q, k, v, None, False, 0.0, 0.25, rng.unused_seed())
+    torch.library.opcheck(ops.attention_bwd_op, (torch.randn_like(o), q.detach(), k, v, o.detach(), lse.detach(), mask,
+                                                 False, 0.2, 0.25, seed))
 
 
 def test_cpu_op_traces_under_torch_compile(use_backend):

@@ -43,12 +43,13 @@ def test_stride_zero_grad_and_noncontiguous_input(backend):
     assert torch.equal(base.grad, (keep * rng.keep_scale(0.3)).t().to(base.dtype))
 
 
-def test_saves_no_tensor():
+def test_saves_only_its_seed():
     x = torch.randn(4, 16, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        selective_ckpt.dropout(x, 0.4, seed=1).sum().backward()
-    assert saved == []
+        selective_ckpt.dropout(x, 0.4, seed=(1 << 64) - 2).sum().backward()
+    assert len(saved) == 1 and saved[0].nbytes == 8  # the seed; the mask is regenerated
+    assert rng.seed_from_tensor(saved[0]) == (1 << 64) - 2
 
 
 def test_seed_none_reproducible_under_manual_seed():
@@ -91,7 +92,7 @@ def test_unknown_backend_value_is_an_error(monkeypatch):
 
 def test_opcheck():
     x = torch.randn(5, 19, requires_grad=True)
-    torch.library.opcheck(torch.ops.selective_ckpt.dropout.default, (x, 0.25, rng.seed_to_int64((1 << 64) - 1)))
+    torch.library.opcheck(torch.ops.selective_ckpt.dropout.default, (x, 0.25, rng.seed_arg((1 << 64) - 1)))
 
 
 def test_compiles_fullgraph_on_cpu():
@@ -101,6 +102,16 @@ def test_compiles_fullgraph_on_cpu():
     assert torch.equal(y, selective_ckpt.dropout(x, 0.3, seed=99) * 2)
     y.sum().backward()
     assert torch.equal(x.grad, 2 * rng.elementwise_keep_mask(99, 4, 40, 0.3) * rng.keep_scale(0.3))
+
+
+def test_seed_none_compiles_fullgraph_and_follows_manual_seed():
+    x = torch.randn(4, 40, requires_grad=True)
+    f = torch.compile(lambda t: selective_ckpt.dropout(t, 0.3), fullgraph=True)
+    with torch._inductor.config.patch(fallback_random=True):  # torch's generator, as in eager
+        torch.manual_seed(8)
+        y = f(x)
+    torch.manual_seed(8)
+    assert torch.equal(y, selective_ckpt.dropout(x, 0.3))
 
 
 @pytest.mark.cuda

@@ -266,6 +266,17 @@ def test_estimate_equals_ledger_on_the_layer(mode, dtype):
         assert dict(rep.by_layer) == {"SelectiveDecoderLayer": rep.total}
 
 
+@pytest.mark.parametrize("mode", memory.MODES)
+def test_estimate_equals_ledger_with_dropout(mode):
+    layers = pytest.importorskip("selective_ckpt.layers")
+    h, a, s, b = 32, 4, 7, 2
+    for p, p_attn in ((0.1, 0.0), (0.0, 0.2), (0.1, 0.2)):
+        layer = layers.SelectiveDecoderLayer(h, a, dropout=p, attn_dropout=p_attn, recompute=mode)
+        rep = memory.ledger(layer, torch.randn(b, s, h, requires_grad=True))
+        assert rep.total == memory.estimate(h, a, s, b, torch.float32, recompute=mode, dropout=p,
+                                            attn_dropout=p_attn), rep.table()
+
+
 def test_estimate_equals_ledger_for_a_fractional_mlp_ratio():
     # 60 * 4.1 is 245.99999999999997 in floating point: estimate must size fc1 as the layer does.
     layers = pytest.importorskip("selective_ckpt.layers")

@@ -199,8 +199,10 @@ def test_saves_only_x_and_fc1_output(store):
     _, t = make_inputs((3, 5), 8, 32, 6, torch.float32)
     y, packed = saved_by_forward(t, store_activation=store)
     params = [t[n] for n in ("w1", "b1", "w2", "b2")]
-    activations = [s for s in packed if not any(s is p for p in params)]
-    assert len(packed) - len(activations) == 4
+    seeds = [s for s in packed if s.dtype == torch.int32]
+    assert len(seeds) == 1 and rng.seed_from_tensor(seeds[0]) == 3  # the dropout state, 8 bytes
+    activations = [s for s in packed if not any(s is p for p in params) and s.dtype != torch.int32]
+    assert len(packed) - len(activations) == 5
     with torch.no_grad():
         h = F.linear(t["x"], t["w1"], t["b1"])
         a = F.gelu(h)
@@ -231,7 +233,8 @@ class _StorageRecorder(TorchDispatchMode):
 
 @pytest.mark.parametrize("store", [False, True])
 def test_forward_leaves_alive_only_output_and_fc1_output(store, backend):
-    """Storages a forward creates and leaves alive while y is held: y and h (and a in store mode)."""
+    """Storages a forward creates and leaves alive while y is held: y and h (and a in store mode),
+    plus the 8-byte seed of the output dropout."""
     _, t = make_inputs((6, 5), 8, 40, 3, torch.float32)
     inputs = {StorageWeakRef(v.untyped_storage()).cdata for v in t.values()}
     recorder = _StorageRecorder()
@@ -240,7 +243,7 @@ def test_forward_leaves_alive_only_output_and_fc1_output(store, backend):
     gc.collect()
     alive = {ref.cdata: nbytes for ref, nbytes in recorder.made if not ref.expired() and ref.cdata not in inputs}
     y_bytes, h_bytes = 30 * 3 * 4, 30 * 40 * 4
-    assert sorted(alive.values()) == sorted([y_bytes, h_bytes] + ([h_bytes] if store else []))
+    assert sorted(alive.values()) == sorted([8, y_bytes, h_bytes] + ([h_bytes] if store else []))
     del y
 
 
