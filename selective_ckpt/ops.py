@@ -2,7 +2,7 @@
 the Triton kernels. `backend_for` is the one place that decides, so nothing above this module
 knows which backend runs.
 
-Seeds cross op schemas as signed int64 (two's complement of the 64-bit seed, see rng).
+Seeds cross op schemas as seed tensors (int32 [2], see rng.seed_arg).
 """
 
 import os

@@ -54,15 +54,6 @@ def check_seed_tensor(seed, name="seed"):
     return seed
 
 
-def seed_to_int64(seed: int) -> int:
-    """The seed as a signed 64-bit value (two's complement), for op schemas that carry int64."""
-    return seed - SEED_RANGE if seed >= 1 << 63 else seed
-
-
-def int64_to_seed(value: int) -> int:
-    return value + SEED_RANGE if value < 0 else value
-
-
 def draw_seed(device=None, generator=None) -> int:
     """A fresh 64-bit seed as a Python int, from torch's generator for `device` (or `generator`).
 
@@ -73,11 +64,6 @@ def draw_seed(device=None, generator=None) -> int:
         device = generator.device
     halves = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device=device, generator=generator).tolist()
     return halves[0] | (halves[1] << 32)
-
-
-def resolve_seed(seed, device) -> int:
-    """`seed=None` draws one; anything else must be a valid seed."""
-    return draw_seed(device) if seed is None else check_seed(seed)
 
 
 # Seeds cross the custom ops as tensors: int32 [2] holding the seed's low and high 32-bit words

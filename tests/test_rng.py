@@ -155,7 +155,14 @@ def test_draw_seed_reproducible_under_manual_seed():
     assert rng.draw_seed(generator=g) == rng.draw_seed(generator=torch.Generator().manual_seed(5))
 
 
-def test_int64_round_trip():
-    for seed in (0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1):
-        v = rng.seed_to_int64(seed)
-        assert -(1 << 63) <= v < 1 << 63 and rng.int64_to_seed(v) == seed
+def test_seed_tensor_round_trip_and_same_draw_as_draw_seed():
+    for seed in (0, 1, (1 << 31), (1 << 32) - 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1):
+        t = rng.seed_arg(seed)
+        assert t.dtype == torch.int32 and t.shape == (2,) and t.nbytes == 8
+        assert rng.seed_from_tensor(t) == seed and rng.check_seed(t) == seed
+    torch.manual_seed(4)
+    ints = [rng.draw_seed("cpu") for _ in range(3)]
+    torch.manual_seed(4)
+    assert [rng.seed_from_tensor(rng.draw_seed_tensor("cpu")) for _ in range(3)] == ints
+    with pytest.raises(TypeError, match="seed"):
+        rng.seed_arg(torch.zeros(2, dtype=torch.int64))
