@@ -227,91 +227,29 @@ layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm
 # Autograd saves q, k, v as given, o, lse and the seed; P is rebuilt from lse in backward.
 
 
-# Score elements (heads x query rows x keys) one CPU chunk may hold; the chunk's two score-sized
-# temporaries are the only memory that grows with Sk. Chunks of this size (2 MiB in fp32) ran as
-# fast as whole-sequence ones in bench/attention.py, with less memory.
-ATTENTION_CHUNK_ELEMS = 1 << 19
-
-
-# Causal chunks are cut finer: a chunk's products stop at its last row's diagonal, so n chunks do
-# (n + 1) / 2n of the full matmul work.
-ATTENTION_CAUSAL_CHUNKS = 8
-ATTENTION_MIN_CHUNK_ROWS = 64
-
-
-def _attention_chunk_rows(H, Sq, Sk, causal=False):
-    rows = max(1, min(Sq, ATTENTION_CHUNK_ELEMS // max(1, H * Sk)))
-    if causal:
-        rows = min(rows, max(ATTENTION_MIN_CHUNK_ROWS, -(-Sq // ATTENTION_CAUSAL_CHUNKS)))
-    return rows
-
-
 def _attention_out(q):
     B, H, Sq, D = q.shape
     return torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
 
 
-def _bmm_into(dst, a, b):
-    """dst = a @ b (batched); bmm's out= is slow on strided outputs, so those get a copy."""
-    if dst.is_contiguous():
-        torch.bmm(a, b, out=dst)
-    else:
-        dst.copy_(torch.bmm(a, b))
+def _attention_cpp_args(q, k, mask, causal, scale, seed, t16, ks):
+    """The C++ kernels' problem arguments: sizes, padding mask, no documents, no window, the seed."""
+    B, H, Sq, D = q.shape
+    seed_t = rng.seed_arg(seed) if t16 > 0 else None
+    return ((B, H, k.shape[1], Sq, k.shape[2], D), 0 if mask is None else ptr(mask), 0, 0, causal, 0, scale,
+            0 if seed_t is None else ptr(seed_t), t16, ks), seed_t
 
 
 def _attention_fwd_cpp(q, k, v, o, lse, mask, causal, scale, seed, t16, ks):
-    B, H, Sq, _ = q.shape
-    Sk = k.shape[2]
-    rows = _attention_chunk_rows(H, Sq, Sk, causal)
-    code = dtype_code(q)
-    for b in range(B):
-        pad = ptr(mask[b]) if mask is not None else 0
-        for r0 in range(0, Sq, rows):
-            r1 = min(Sq, r0 + rows)
-            kc = min(Sk, r1) if causal else Sk  # keys past the chunk's last row are all masked
-            s = torch.bmm(q[b, :, r0:r1], k[b, :, :kc].transpose(1, 2))
-            _C.attention_softmax_fwd(code, ptr(s), ptr(lse[b, :, r0]), H, r1 - r0, kc, r0, b * H, Sq, scale,
-                                     causal, pad, seed, t16, ks)
-            _bmm_into(o[b, :, r0:r1], s, v[b, :, :kc])
+    (sizes, *rest), _seed_t = _attention_cpp_args(q, k, mask, causal, scale, seed, t16, ks)
+    _C.attention_forward(dtype_code(q), sizes, ptr(q), q.stride()[:3], ptr(k), k.stride()[:3], ptr(v),
+                         v.stride()[:3], ptr(o), o.stride()[:3], ptr(lse), *rest)
 
 
-def _attention_bwd_cpp(do, q, k, v, lse, dq, dk, dv, mask, causal, scale, seed, t16, ks):
-    B, H, Sq, _ = q.shape
-    Sk = k.shape[2]
-    rows = _attention_chunk_rows(H, Sq, Sk, causal)
-    code = dtype_code(q)
-    single = rows >= Sq
-    # Several chunks add into dK, dV: in fp32 for 16-bit inputs so the sum is rounded once.
-    acc_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) and not single else q.dtype
-    for b in range(B):
-        pad = ptr(mask[b]) if mask is not None else 0
-        if single:
-            dk_acc, dv_acc = dk[b], dv[b]
-        else:
-            dk_acc = torch.zeros(dk.shape[1:], dtype=acc_dtype, device=dk.device)
-            dv_acc = torch.zeros(dv.shape[1:], dtype=acc_dtype, device=dv.device)
-        for r0 in range(0, Sq, rows):
-            r1 = min(Sq, r0 + rows)
-            kc = min(Sk, r1) if causal else Sk
-            qc, doc, kb, vb = q[b, :, r0:r1], do[b, :, r0:r1], k[b, :, :kc], v[b, :, :kc]
-            s = torch.bmm(qc, kb.transpose(1, 2))
-            dp = torch.bmm(doc, vb.transpose(1, 2))
-            _C.attention_softmax_bwd(code, ptr(s), ptr(dp), ptr(lse[b, :, r0]), H, r1 - r0, kc, r0, b * H, Sq,
-                                     scale, causal, pad, seed, t16, ks)
-            # s now holds the dropped P, dp the gradient of the raw scores.
-            _bmm_into(dq[b, :, r0:r1], dp, kb)
-            if single:
-                _bmm_into(dv_acc[:, :kc], s.transpose(1, 2), doc)
-                _bmm_into(dk_acc[:, :kc], dp.transpose(1, 2), qc)
-                if kc < Sk:
-                    dv_acc[:, kc:].zero_()
-                    dk_acc[:, kc:].zero_()
-            else:
-                dv_acc[:, :kc] += torch.bmm(s.transpose(1, 2), doc)
-                dk_acc[:, :kc] += torch.bmm(dp.transpose(1, 2), qc)
-        if not single:
-            dk[b].copy_(dk_acc)
-            dv[b].copy_(dv_acc)
+def _attention_bwd_cpp(do, q, k, v, o, lse, dq, dk, dv, mask, causal, scale, seed, t16, ks):
+    (sizes, *rest), _seed_t = _attention_cpp_args(q, k, mask, causal, scale, seed, t16, ks)
+    _C.attention_backward(dtype_code(q), sizes, ptr(do), ptr(q), q.stride()[:3], ptr(k), k.stride()[:3], ptr(v),
+                          v.stride()[:3], ptr(o), o.stride()[:3], ptr(lse), *rest, ptr(dq), ptr(dk), ptr(dv))
 
 
 @torch.library.custom_op("selective_ckpt::attention_fwd", mutates_args=())
@@ -348,8 +286,8 @@ def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     t16, ks = rng.threshold(dropout_p), rng.keep_scale(dropout_p)
     seed = rng.seed_from_tensor(seed) if dropout_p > 0 else 0
-    if backend_for(q) == "cpp":  # the row kernel takes delta from each row of P and dP
-        _attention_bwd_cpp(do, q, k, v, lse.contiguous(), dq, dk, dv, mask, causal, softmax_scale, seed, t16, ks)
+    if backend_for(q) == "cpp":  # the kernel takes delta = rowsum(dO * O) itself
+        _attention_bwd_cpp(do, q, k, v, o, lse.contiguous(), dq, dk, dv, mask, causal, softmax_scale, seed, t16, ks)
     else:
         from .triton_kernels import attention as tk
 
