@@ -386,8 +386,10 @@ inline float or_zero(bool on, float v) {
 }
 inline double or_zero(bool on, double v) { return on ? v : 0.0; }
 
-// One register block: C[MR x NR] (+)= A[MR x K] B[K x NR]; A row-major (lda), B row-major (ldb).
-template <class Acc, int NR>
+// One register block: C[MR x NR] (+)= A[MR x K] B[K x NR]; B row-major (ldb). A is row-major
+// (element (r, k) at a[r * lda + k]) or, with TA, stored transposed (at a[k * lda + r]): A is only
+// ever read one broadcast scalar at a time, so a transposed score tile costs nothing extra.
+template <class Acc, int NR, bool TA>
 inline void gemm_block(const Acc* __restrict a, int64_t lda, const Acc* __restrict b, int64_t ldb, int64_t K,
                        Acc* __restrict c, int64_t ldc, bool accumulate) {
   Acc acc[kMR][NR];
@@ -396,7 +398,7 @@ inline void gemm_block(const Acc* __restrict a, int64_t lda, const Acc* __restri
   for (int64_t kk = 0; kk < K; ++kk) {
     const Acc* bk = b + kk * ldb;
     for (int r = 0; r < kMR; ++r) {
-      const Acc ar = a[r * lda + kk];
+      const Acc ar = TA ? a[kk * lda + r] : a[r * lda + kk];
       for (int n = 0; n < NR; ++n) acc[r][n] = madd(ar, bk[n], acc[r][n]);
     }
   }
@@ -406,16 +408,17 @@ inline void gemm_block(const Acc* __restrict a, int64_t lda, const Acc* __restri
 
 // C[M x N] (+)= A[M x K] B[K x N], M a multiple of kMR, N of 16. Column panels of B outer, so a
 // K x NR panel of B stays in L1 while the row blocks of A stream past it.
-template <class Acc>
+template <bool TA = false, class Acc>
 void gemm(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, int64_t M, int64_t N, int64_t K, Acc* c,
           int64_t ldc, bool accumulate) {
+  const auto arow = [&](int64_t i) { return TA ? a + i : a + i * lda; };
   int64_t n = 0;
   for (; n + kNR <= N; n += kNR)
     for (int64_t i = 0; i < M; i += kMR)
-      gemm_block<Acc, kNR>(a + i * lda, lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
+      gemm_block<Acc, kNR, TA>(arow(i), lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
   for (; n < N; n += 16)
     for (int64_t i = 0; i < M; i += kMR)
-      gemm_block<Acc, 16>(a + i * lda, lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
+      gemm_block<Acc, 16, TA>(arow(i), lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
 }
 
 // out[r, 0:Dp] = rows r < n of x (row stride `stride`), zero past D and for rows n..nr.
@@ -485,67 +488,128 @@ inline void keep_row(const Problem& p, int64_t bh, int64_t i, int64_t j0, int64_
   }
 }
 
-// One query tile of one head: online softmax over the key tiles it may attend.
+// keep[r * ld + c] = keep_scale if P[b, h, i0 + c, j0 + r] survives dropout else 0, for the keys
+// r in [a_c, e_c) each query column c < n attends (one Philox call per 8 keys).
+template <class Acc>
+inline void keep_cols(const Problem& p, int64_t bh, int64_t i0, int64_t n, int64_t j0, int64_t nk,
+                      const int64_t* lo, const int64_t* hi, int64_t ld, Acc* keep) {
+  const Acc ks = Acc(p.keep_scale);
+  for (int64_t c = 0; c < n; ++c) {
+    const int64_t a = std::clamp(lo[c] - j0, int64_t(0), nk), e = std::clamp(hi[c] - j0, int64_t(0), nk);
+    for (int64_t grp = (j0 + a) >> 3; a < e && grp <= (j0 + e - 1) >> 3; ++grp) {
+      const uint32_t bits = attention_keep_bits8(p.key, uint64_t(grp), uint64_t(i0 + c), uint64_t(bh), p.t16);
+      for (int t = 0; t < 8; ++t) {
+        const int64_t r = grp * 8 + t - j0;
+        if (r >= a && r < e) keep[r * ld + c] = ((bits >> t) & 1u) ? ks : Acc(0);
+      }
+    }
+  }
+}
+
+// Query rows i0 .. i0 + n: ranges, lse, delta per column c (columns n..N attend nothing).
+template <class Acc>
+inline bool query_cols(const Problem& p, int64_t bh, int64_t i0, int64_t n, int64_t N, bool with_lse, int64_t* lo,
+                       int64_t* hi, Acc* lse, Acc* delta) {
+  bool any = false;
+  for (int64_t c = 0; c < N; ++c) {
+    if (c < n) {
+      p.row_range(i0 + c, lo[c], hi[c]);
+      if (with_lse) {
+        lse[c] = Acc(p.lse_in[bh * p.Sq + i0 + c]);
+        delta[c] = Acc(p.delta[bh * p.Sq + i0 + c]);
+        if (lse[c] == std::numeric_limits<Acc>::infinity()) hi[c] = lo[c];  // an empty row: zero gradient
+      }
+    } else {
+      lo[c] = hi[c] = 0;
+      if (with_lse) lse[c] = delta[c] = Acc(0);
+    }
+    any |= lo[c] < hi[c];
+  }
+  return any;
+}
+
+// Does any of the query columns attend a key in [j0, j1)?
+inline bool tile_attended(const int64_t* lo, const int64_t* hi, int64_t n, int64_t j0, int64_t j1) {
+  bool any = false;
+  for (int64_t c = 0; c < n; ++c) any |= lo[c] < j1 && hi[c] > j0 && lo[c] < hi[c];
+  return any;
+}
+
+// One query tile of one head: online softmax over the key tiles it may attend. Scores are held
+// transposed, S^T[key, query] = K Q^T, so Q is transposed once per tile, K and V are read as rows,
+// and the softmax statistics of all queries update as vectors across the tile.
 template <class T>
 void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename Elem<T>::Acc>& w) {
   using Acc = typename Elem<T>::Acc;
   const int64_t D = p.D, Dp = p.Dp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
-  const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR);
+  const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
   const Acc scale = Acc(p.scale), neg_inf = -std::numeric_limits<Acc>::infinity();
-  Acc *Q = w.a.data(), *Kt = w.b.data(), *V = w.c.data(), *S = w.d.data(), *O = w.acc.data();
-  Acc *m = w.m.data(), *l = w.l.data(), *keep = w.keep.data();
+  Acc *Qt = w.a.data(), *Kn = w.b.data(), *V = w.c.data(), *St = w.d.data(), *O = w.acc.data();
+  Acc *m = w.m.data(), *l = w.l.data(), *tmax = w.rowv.data(), *shift = w.rowv2.data(), *keep = w.keep.data();
+  Acc *alpha = w.e.data(), *lsum = w.f.data();
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
   uint8_t *padv = w.padv.data(), *seen = w.seen.data();
 
-  load_rows(static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + i0 * p.qs[2], p.qs[2], n, M, D, Dp, Q);
-  for (int64_t r = 0; r < n; ++r) {
-    p.row_range(i0 + r, lo[r], hi[r]);
-    m[r] = neg_inf;
-    l[r] = Acc(0);
-    seen[r] = 0;
+  load_rows_t(static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + i0 * p.qs[2], p.qs[2], n, N, D, Qt);
+  query_cols<Acc>(p, bh, i0, n, N, false, lo, hi, nullptr, nullptr);
+  for (int64_t c = 0; c < N; ++c) {
+    m[c] = neg_inf;
+    l[c] = Acc(0);
+    seen[c] = 0;
   }
   std::memset(static_cast<void*>(O), 0, size_t(M * Dp) * sizeof(Acc));
   const T* kb = static_cast<const T*>(p.k) + b * p.ks[0] + kvh * p.ks[1];
   const T* vb = static_cast<const T*>(p.v) + b * p.vs[0] + kvh * p.vs[1];
-  const int64_t khi = hi[n - 1];
-  for (int64_t j0 = lo[0] / BN * BN; j0 < khi; j0 += BN) {
-    const int64_t nk = std::min(BN, p.Sk - j0), N = round_up(nk, 16);
-    bool any = false;
-    for (int64_t r = 0; r < n; ++r) any |= lo[r] < j0 + nk && hi[r] > j0 && lo[r] < hi[r];
-    if (!any) continue;  // e.g. a tile of another document
-    load_rows_t(kb + j0 * p.ks[2], p.ks[2], nk, N, D, Kt);
-    load_rows(vb + j0 * p.vs[2], p.vs[2], nk, N, D, Dp, V);
-    pad_row(p, b, j0, nk, N, padv);
-    gemm(Q, Dp, Kt, N, M, N, D, S, N, false);
-    for (int64_t r = 0; r < M; ++r) {
-      Acc* s = S + r * N;
-      const int64_t a = r < n ? std::clamp(lo[r] - j0, int64_t(0), N) : 0;
-      const int64_t e = r < n ? std::clamp(hi[r] - j0, int64_t(0), N) : 0;
-      bool row_any = false;
-      for (int64_t c = a; c < e; ++c) row_any |= padv[c] != 0;
-      if (!row_any) {  // nothing of this tile for this row: P = 0
-        std::memset(static_cast<void*>(s), 0, size_t(N) * sizeof(Acc));
-        continue;
-      }
-      seen[r] = 1;
-      for (int64_t c = 0; c < N; ++c) s[c] = or_neg_inf((c >= a) & (c < e) & (padv[c] != 0), s[c] * scale);
-      const Acc mt = row_max(s, N);
-      const Acc mn = __builtin_isgreater(mt, m[r]) ? mt : m[r];
-      const Acc shift = mn == neg_inf ? Acc(0) : mn;  // all -inf so far: keep exp finite
-      const Acc alpha = exp_nan(m[r] - shift);
-      for (int64_t c = 0; c < N; ++c) s[c] = exp_nan(s[c] - shift);
-      l[r] = l[r] * alpha + row_sum(s, N);
-      if (!(alpha == Acc(1))) {  // also for NaN, which must reach O
-        Acc* orow = O + r * Dp;
-        for (int64_t d = 0; d < Dp; ++d) orow[d] *= alpha;
-      }
-      m[r] = mn;
-      if (p.t16) {
-        keep_row(p, bh, i0 + r, j0, a, e, keep);
-        for (int64_t c = a; c < e; ++c) s[c] *= keep[c];
+  for (int64_t j0 = lo[0] / BN * BN; j0 < hi[n - 1]; j0 += BN) {
+    const int64_t nk = std::min(BN, p.Sk - j0), MK = round_up(nk, kMR);
+    if (!tile_attended(lo, hi, n, j0, j0 + nk)) continue;  // e.g. a tile of another document
+    load_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dp, Kn);
+    load_rows(vb + j0 * p.vs[2], p.vs[2], nk, nk, D, Dp, V);
+    pad_row(p, b, j0, nk, nk, padv);
+    gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);
+    for (int64_t c = 0; c < N; ++c) {
+      tmax[c] = neg_inf;
+      lsum[c] = Acc(0);
+    }
+    for (int64_t r = 0; r < nk; ++r) {
+      Acc* s = St + r * N;
+      const int64_t j = j0 + r;
+      const bool pj = padv[r] != 0;
+      for (int64_t c = 0; c < N; ++c) {
+        const bool on = pj & (j >= lo[c]) & (j < hi[c]);
+        seen[c] |= uint8_t(on);
+        s[c] = or_neg_inf(on, s[c] * scale);
+        tmax[c] = __builtin_isgreater(s[c], tmax[c]) ? s[c] : tmax[c];
       }
     }
-    gemm(S, N, V, Dp, M, Dp, N, O, Dp, true);
+    for (int64_t c = 0; c < N; ++c) {
+      const Acc mn = __builtin_isgreater(tmax[c], m[c]) ? tmax[c] : m[c];
+      shift[c] = mn == neg_inf ? Acc(0) : mn;  // all -inf so far: keep the exps finite
+      alpha[c] = exp_nan(m[c] - shift[c]);
+      m[c] = mn;
+    }
+    for (int64_t r = 0; r < nk; ++r) {
+      Acc* s = St + r * N;
+      for (int64_t c = 0; c < N; ++c) {
+        s[c] = exp_nan(s[c] - shift[c]);
+        lsum[c] += s[c];
+      }
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      l[c] = l[c] * alpha[c] + lsum[c];
+      if (!(alpha[c] == Acc(1))) {  // also for NaN, which must reach O
+        Acc* orow = O + c * Dp;
+        for (int64_t d = 0; d < Dp; ++d) orow[d] *= alpha[c];
+      }
+    }
+    if (p.t16) {
+      keep_cols(p, bh, i0, n, j0, nk, lo, hi, N, keep);
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t a = std::clamp(lo[c] - j0, int64_t(0), nk), e = std::clamp(hi[c] - j0, int64_t(0), nk);
+        for (int64_t r = a; r < e; ++r) St[r * N + c] *= keep[r * N + c];
+      }
+    }
+    gemm<true>(St, N, V, Dp, M, Dp, nk, O, Dp, true);  // O += P V, P read from S^T
   }
   T* ob = static_cast<T*>(p.o) + b * p.os[0] + h * p.os[1];
   float* lse = p.lse + bh * p.Sq;
@@ -578,92 +642,80 @@ void delta_rows(const Problem& p, int64_t bh, float* delta) {
   }
 }
 
-// dQ of one query tile of one head: dQ = scale * sum over key tiles of dS K.
+// dQ of one query tile of one head: dQ = scale * sum over key tiles of dS K. Like the forward,
+// S^T and dP^T are formed key-major from Q^T and dO^T, transposed once per tile.
 template <class T>
 void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename Elem<T>::Acc>& w) {
   using Acc = typename Elem<T>::Acc;
   const int64_t D = p.D, Dp = p.Dp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
-  const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR);
+  const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
   const Acc scale = Acc(p.scale);
-  Acc *Q = w.a.data(), *dO = w.b.data(), *Kt = w.c.data(), *Vt = w.d.data(), *Kn = w.e.data();
-  Acc *S = w.f.data(), *dP = w.g.data(), *dQ = w.acc.data(), *keep = w.keep.data();
+  Acc *Qt = w.a.data(), *dOt = w.b.data(), *Kn = w.c.data(), *Vn = w.d.data();
+  Acc *St = w.f.data(), *dPt = w.g.data(), *dQ = w.acc.data(), *keep = w.keep.data();
   Acc *lse = w.m.data(), *delta = w.l.data();
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
   uint8_t* padv = w.padv.data();
 
-  load_rows(static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + i0 * p.qs[2], p.qs[2], n, M, D, Dp, Q);
-  load_rows(static_cast<const T*>(p.dout) + (bh * p.Sq + i0) * D, D, n, M, D, Dp, dO);
-  bool any_row = false;
-  for (int64_t r = 0; r < n; ++r) {
-    p.row_range(i0 + r, lo[r], hi[r]);
-    lse[r] = Acc(p.lse_in[bh * p.Sq + i0 + r]);
-    delta[r] = Acc(p.delta[bh * p.Sq + i0 + r]);
-    if (lse[r] == std::numeric_limits<Acc>::infinity()) hi[r] = lo[r];  // an empty row: zero gradient
-    any_row |= lo[r] < hi[r];
-  }
   std::memset(static_cast<void*>(dQ), 0, size_t(M * Dp) * sizeof(Acc));
+  const bool any_row = query_cols(p, bh, i0, n, N, true, lo, hi, lse, delta);
+  int64_t klo = p.Sk, khi = 0;
+  for (int64_t c = 0; c < n; ++c)
+    if (lo[c] < hi[c]) klo = std::min(klo, lo[c]), khi = std::max(khi, hi[c]);
+  if (any_row) {
+    load_rows_t(static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + i0 * p.qs[2], p.qs[2], n, N, D, Qt);
+    load_rows_t(static_cast<const T*>(p.dout) + (bh * p.Sq + i0) * D, D, n, N, D, dOt);
+  }
   const T* kb = static_cast<const T*>(p.k) + b * p.ks[0] + kvh * p.ks[1];
   const T* vb = static_cast<const T*>(p.v) + b * p.vs[0] + kvh * p.vs[1];
-  int64_t klo = p.Sk, khi = 0;
-  for (int64_t r = 0; r < n; ++r)
-    if (lo[r] < hi[r]) klo = std::min(klo, lo[r]), khi = std::max(khi, hi[r]);
   for (int64_t j0 = any_row ? klo / BN * BN : khi; j0 < khi; j0 += BN) {
-    const int64_t nk = std::min(BN, p.Sk - j0), N = round_up(nk, 16);
-    bool any = false;
-    for (int64_t r = 0; r < n; ++r) any |= lo[r] < j0 + nk && hi[r] > j0 && lo[r] < hi[r];
-    if (!any) continue;
-    load_rows_t(kb + j0 * p.ks[2], p.ks[2], nk, N, D, Kt);
-    load_rows_t(vb + j0 * p.vs[2], p.vs[2], nk, N, D, Vt);
-    load_rows(kb + j0 * p.ks[2], p.ks[2], nk, N, D, Dp, Kn);
-    pad_row(p, b, j0, nk, N, padv);
-    gemm(Q, Dp, Kt, N, M, N, D, S, N, false);
-    gemm(dO, Dp, Vt, N, M, N, D, dP, N, false);
-    for (int64_t r = 0; r < M; ++r) {
-      Acc *s = S + r * N, *dp = dP + r * N;
-      const int64_t a = r < n ? std::clamp(lo[r] - j0, int64_t(0), N) : 0;
-      const int64_t e = r < n ? std::clamp(hi[r] - j0, int64_t(0), N) : 0;
-      if (a >= e) {
-        std::memset(static_cast<void*>(dp), 0, size_t(N) * sizeof(Acc));
-        continue;
-      }
-      const Acc lr = lse[r], dr = delta[r];
-      if (p.t16) {
-        keep_row(p, bh, i0 + r, j0, a, e, keep);
-        for (int64_t c = a; c < e; ++c) dp[c] *= keep[c];
-      }
+    const int64_t nk = std::min(BN, p.Sk - j0), MK = round_up(nk, kMR);
+    if (!tile_attended(lo, hi, n, j0, j0 + nk)) continue;
+    load_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dp, Kn);
+    load_rows(vb + j0 * p.vs[2], p.vs[2], nk, MK, D, Dp, Vn);
+    pad_row(p, b, j0, nk, nk, padv);
+    gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
+    gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
+    if (p.t16) keep_cols(p, bh, i0, n, j0, nk, lo, hi, N, keep);
+    for (int64_t r = 0; r < nk; ++r) {
+      Acc *s = St + r * N, *dp = dPt + r * N;
+      const int64_t j = j0 + r;
+      const bool pj = padv[r] != 0;
+      const Acc* kr = keep + r * N;
       for (int64_t c = 0; c < N; ++c) {
-        const bool on = (c >= a) & (c < e) & (padv[c] != 0);
-        const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lr));
-        dp[c] = or_zero(on, pr * (dp[c] - dr));
+        const bool on = pj & (j >= lo[c]) & (j < hi[c]);
+        const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
+        const Acc kf = p.t16 ? kr[c] : Acc(1);
+        dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
       }
     }
-    gemm(dP, N, Kn, Dp, M, Dp, N, dQ, Dp, true);
+    gemm<true>(dPt, N, Kn, Dp, M, Dp, nk, dQ, Dp, true);  // dQ += dS K, dS read from dS^T
   }
   T* out = static_cast<T*>(p.dq) + (bh * p.Sq + i0) * D;
   for (int64_t r = 0; r < n; ++r)
     for (int64_t d = 0; d < D; ++d) Elem<T>::store(out + r * D + d, dQ[r * Dp + d] * scale);
 }
 
-// dK, dV of one key tile of one kv head, summed over the query heads of its group in order.
+// dK, dV of one key tile of one kv head, summed over the query heads of its group in order. K^T
+// and V^T are transposed once per task; the query tiles are read as rows.
 template <class T>
 void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename Elem<T>::Acc>& w) {
   using Acc = typename Elem<T>::Acc;
   const int64_t D = p.D, Dp = p.Dp, BM = p.BM;
-  const int64_t j0 = t * p.BN, nk = std::min(p.BN, p.Sk - j0), j1 = j0 + nk, MK = round_up(nk, kMR);
+  const int64_t j0 = t * p.BN, nk = std::min(p.BN, p.Sk - j0), j1 = j0 + nk;
+  const int64_t MK = round_up(nk, kMR), NK = round_up(nk, 16);
   const Acc scale = Acc(p.scale), inf = std::numeric_limits<Acc>::infinity();
-  Acc *Kn = w.a.data(), *Vn = w.b.data(), *Qt = w.c.data(), *Qn = w.d.data(), *dOt = w.e.data();
-  Acc *dOn = w.f.data(), *St = w.g.data(), *keep = w.keep.data();
-  Acc *lse = w.m.data(), *delta = w.l.data();
+  Acc *Kt = w.a.data(), *Vt = w.b.data(), *Qn = w.c.data(), *dOn = w.d.data();
+  Acc *S = w.e.data(), *dP = w.f.data(), *keep = w.keep.data();
+  const int64_t tile = int64_t(w.acc.size() / 3);
+  Acc *dK = w.acc.data(), *dV = dK + tile;
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
   uint8_t* padv = w.padv.data();
-  const int64_t tile = w.acc.size() / 3;
-  Acc *dPt = w.acc.data(), *dK = dPt + tile, *dV = dK + tile;
 
   const T* kb = static_cast<const T*>(p.k) + b * p.ks[0] + kvh * p.ks[1] + j0 * p.ks[2];
   const T* vb = static_cast<const T*>(p.v) + b * p.vs[0] + kvh * p.vs[1] + j0 * p.vs[2];
-  load_rows(kb, p.ks[2], nk, MK, D, Dp, Kn);
-  load_rows(vb, p.vs[2], nk, MK, D, Dp, Vn);
-  pad_row(p, b, j0, nk, MK, padv);
+  load_rows_t(kb, p.ks[2], nk, NK, D, Kt);
+  load_rows_t(vb, p.vs[2], nk, NK, D, Vt);
+  pad_row(p, b, j0, nk, NK, padv);
   std::memset(static_cast<void*>(dK), 0, size_t(MK * Dp) * sizeof(Acc));
   std::memset(static_cast<void*>(dV), 0, size_t(MK * Dp) * sizeof(Acc));
   // Query rows attending a key in [j0, j1): hi(i) > j0 and lo(i) < j1, a contiguous range.
@@ -674,55 +726,42 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
     const T* qb = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1];
     const T* db = static_cast<const T*>(p.dout) + bh * p.Sq * D;
     for (int64_t i0 = ia / BM * BM; i0 < ib; i0 += BM) {
-      const int64_t n = std::min(BM, p.Sq - i0), N = round_up(n, 16);
+      const int64_t n = std::min(BM, p.Sq - i0), M = round_up(n, kMR);
       bool any = false;
-      for (int64_t c = 0; c < N; ++c) {
-        if (c < n) {
-          p.row_range(i0 + c, lo[c], hi[c]);
-          lse[c] = Acc(p.lse_in[bh * p.Sq + i0 + c]);
-          delta[c] = Acc(p.delta[bh * p.Sq + i0 + c]);
-          if (lse[c] == inf) hi[c] = lo[c];
-        } else {
-          lo[c] = hi[c] = 0;
-          lse[c] = delta[c] = Acc(0);
-        }
-        any |= lo[c] < j1 && hi[c] > j0 && lo[c] < hi[c];
+      for (int64_t r = 0; r < n; ++r) {
+        p.row_range(i0 + r, lo[r], hi[r]);
+        if (p.lse_in[bh * p.Sq + i0 + r] == std::numeric_limits<float>::infinity()) hi[r] = lo[r];
+        any |= lo[r] < j1 && hi[r] > j0 && lo[r] < hi[r];
       }
       if (!any) continue;
-      load_rows_t(qb + i0 * p.qs[2], p.qs[2], n, N, D, Qt);
-      load_rows(qb + i0 * p.qs[2], p.qs[2], n, N, D, Dp, Qn);
-      load_rows_t(db + i0 * D, D, n, N, D, dOt);
-      load_rows(db + i0 * D, D, n, N, D, Dp, dOn);
-      gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
-      gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
-      if (p.t16) {  // keep[r, c] for key j0 + r and query i0 + c: one Philox call per 8 keys
-        const Acc ks = Acc(p.keep_scale);
-        for (int64_t c = 0; c < n; ++c) {
-          const int64_t a = std::clamp(lo[c] - j0, int64_t(0), nk), e = std::clamp(hi[c] - j0, int64_t(0), nk);
-          for (int64_t grp = (j0 + a) >> 3; a < e && grp <= (j0 + e - 1) >> 3; ++grp) {
-            const uint32_t bits = attention_keep_bits8(p.key, uint64_t(grp), uint64_t(i0 + c), uint64_t(bh), p.t16);
-            for (int tt = 0; tt < 8; ++tt) {
-              const int64_t r = grp * 8 + tt - j0;
-              if (r >= a && r < e) keep[r * N + c] = ((bits >> tt) & 1u) ? ks : Acc(0);
-            }
-          }
+      load_rows(qb + i0 * p.qs[2], p.qs[2], n, M, D, Dp, Qn);
+      load_rows(db + i0 * D, D, n, M, D, Dp, dOn);
+      gemm(Qn, Dp, Kt, NK, M, NK, D, S, NK, false);    // S = Q K^T
+      gemm(dOn, Dp, Vt, NK, M, NK, D, dP, NK, false);  // dP = dO V^T
+      for (int64_t r = 0; r < n; ++r) {
+        Acc *s = S + r * NK, *dp = dP + r * NK;
+        const int64_t a = std::clamp(lo[r] - j0, int64_t(0), nk), e = std::clamp(hi[r] - j0, int64_t(0), nk);
+        const Acc lr = Acc(p.lse_in[bh * p.Sq + i0 + r]), dr = Acc(p.delta[bh * p.Sq + i0 + r]);
+        if (a >= e || lr == inf) {
+          std::memset(static_cast<void*>(s), 0, size_t(NK) * sizeof(Acc));
+          std::memset(static_cast<void*>(dp), 0, size_t(NK) * sizeof(Acc));
+          continue;
         }
-      }
-      for (int64_t r = 0; r < MK; ++r) {
-        Acc *s = St + r * N, *dp = dPt + r * N;
-        const int64_t j = j0 + r;
-        const bool pj = r < nk && padv[r] != 0;
-        const Acc* kr = keep + r * N;
-        for (int64_t c = 0; c < N; ++c) {
-          const bool on = pj & (j >= lo[c]) & (j < hi[c]);
-          const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
-          const Acc kf = p.t16 ? kr[c] : Acc(1);
-          dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
-          s[c] = or_zero(on, pr * kf);
+        if (p.t16) {
+          keep_row(p, bh, i0 + r, j0, a, e, keep);
+          for (int64_t c = a; c < e; ++c) dp[c] *= keep[c];
         }
+        for (int64_t c = 0; c < NK; ++c) {
+          const bool on = (c >= a) & (c < e) & (padv[c] != 0);
+          const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lr));
+          dp[c] = or_zero(on, pr * (dp[c] - dr));
+          s[c] = or_zero(on, pr);
+        }
+        if (p.t16)
+          for (int64_t c = a; c < e; ++c) s[c] *= keep[c];
       }
-      gemm(St, N, dOn, Dp, MK, Dp, N, dV, Dp, true);  // dV += P~^T dO
-      gemm(dPt, N, Qn, Dp, MK, Dp, N, dK, Dp, true);  // dK += dS^T Q
+      gemm<true>(S, NK, dOn, Dp, MK, Dp, n, dV, Dp, true);  // dV += P~^T dO
+      gemm<true>(dP, NK, Qn, Dp, MK, Dp, n, dK, Dp, true);  // dK += dS^T Q
     }
   }
   T* dkb = static_cast<T*>(p.dk) + ((b * p.Hkv + kvh) * p.Sk + j0) * D;
