@@ -111,11 +111,13 @@ struct Work {
 namespace generic {
 #define SCKPT_ATT_FMA 0
 #define SCKPT_ATT_NR 16
+#define SCKPT_ATT_MR 4
 #define SCKPT_ATTENTION_TILE_KERNELS
 #include "attention.cpp"  // NOLINT: the tile kernels below, baseline ISA
 #undef SCKPT_ATTENTION_TILE_KERNELS
 #undef SCKPT_ATT_FMA
 #undef SCKPT_ATT_NR
+#undef SCKPT_ATT_MR
 }  // namespace generic
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -125,11 +127,13 @@ namespace generic {
 namespace avx2 {
 #define SCKPT_ATT_FMA 1
 #define SCKPT_ATT_NR 16
+#define SCKPT_ATT_MR 4
 #define SCKPT_ATTENTION_TILE_KERNELS
 #include "attention.cpp"  // NOLINT: the same kernels for AVX2 + FMA
 #undef SCKPT_ATTENTION_TILE_KERNELS
 #undef SCKPT_ATT_FMA
 #undef SCKPT_ATT_NR
+#undef SCKPT_ATT_MR
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
@@ -137,11 +141,13 @@ namespace avx2 {
 namespace avx512 {
 #define SCKPT_ATT_FMA 1
 #define SCKPT_ATT_NR 32
+#define SCKPT_ATT_MR 8
 #define SCKPT_ATTENTION_TILE_KERNELS
 #include "attention.cpp"  // NOLINT: the same kernels for AVX-512 (32 registers, 16 floats wide)
 #undef SCKPT_ATTENTION_TILE_KERNELS
 #undef SCKPT_ATT_FMA
 #undef SCKPT_ATT_NR
+#undef SCKPT_ATT_MR
 }  // namespace avx512
 #pragma GCC pop_options
 #endif
@@ -329,7 +335,7 @@ void register_attention(py::module_& m) {
 
 #else  // SCKPT_ATTENTION_TILE_KERNELS: the tile kernels, included once per ISA above
 
-constexpr int kMR = 4;             // rows of a register block
+constexpr int kMR = SCKPT_ATT_MR;  // rows of a register block
 constexpr int kNR = SCKPT_ATT_NR;  // columns of a register block (one or two vectors)
 
 template <class Acc>
