@@ -140,7 +140,7 @@ export -f environment install_package parse_sweep attention_sweep
 
 if [ "$DRY" = 1 ]; then
   echo "[dry-run] python: $PY; output folder: $DEST"
-  for f in setup.py bench/attention.py selective_ckpt/bench.py; do
+  for f in setup.py bench/attention.py selective_ckpt/bench/__init__.py; do
     [ -f "$f" ] || { echo "[dry-run] missing $f" >&2; FAILED=1; }
   done
   "$PY" -m selective_ckpt.bench --help > /dev/null || { echo "[dry-run] selective_ckpt.bench --help failed" >&2; FAILED=1; }

@@ -19,7 +19,7 @@
 
 #include <pybind11/stl.h>
 
-#include "bindings.h"
+#include "registry.h"
 #include "dtypes.h"
 #include "fastmath.h"
 #include "philox.h"
@@ -207,9 +207,8 @@ Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr
   p.t16 = uint32_t(t16);
   p.keep_scale = keep_scale;
   if (t16 > 0) {  // the seed tensor is read only when dropout is on (it may be null otherwise)
-    const int32_t* words = as_ptr<const int32_t>(seed);
-    if (words == nullptr) throw std::invalid_argument("attention: dropout needs a seed");
-    p.key = PhiloxKey(uint64_t(uint32_t(words[0])) | (uint64_t(uint32_t(words[1])) << 32));
+    if (seed == 0) throw std::invalid_argument("attention: dropout needs a seed");
+    p.key = PhiloxKey::from_tensor(seed);
   }
   return p;
 }
@@ -314,8 +313,6 @@ const char* attention_isa() {
   }
 }
 
-}  // namespace
-
 void register_attention(py::module_& m) {
   m.def("attention_forward", &attention_forward, py::arg("dtype"), py::arg("sizes"), py::arg("q"), py::arg("q_strides"),
         py::arg("k"), py::arg("k_strides"), py::arg("v"), py::arg("v_strides"), py::arg("o"), py::arg("o_strides"),
@@ -331,6 +328,9 @@ void register_attention(py::module_& m) {
   m.def("attention_isa", &attention_isa);
 }
 
+SCKPT_REGISTER(register_attention);
+
+}  // namespace
 }  // namespace sckpt
 
 #else  // SCKPT_ATTENTION_TILE_KERNELS: the tile kernels, included once per ISA above

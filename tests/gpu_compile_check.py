@@ -74,7 +74,7 @@ def exercise():
     from selective_ckpt.triton_kernels import philox
 
     import selective_ckpt
-    from selective_ckpt import norm
+    from selective_ckpt.ops.layer_norm import layer_norm
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = torch.randn(5, 37, dtype=dtype, requires_grad=True)
@@ -99,7 +99,7 @@ def exercise():
         x = torch.randn(4, 4096, dtype=dtype, requires_grad=True)
         w = torch.ones(4096, dtype=dtype, requires_grad=True)
         b = torch.zeros(4096, dtype=dtype, requires_grad=True)
-        norm.layer_norm(x, w, b).sum().backward()
+        layer_norm(x, w, b).sum().backward()
 
     for dtype in (torch.bfloat16, torch.float32):  # the whole layer: LayerNorm rebuilds in backward too
         layer = selective_ckpt.SelectiveDecoderLayer(64, 4, dropout=0.1, attn_dropout=0.1, dtype=dtype)

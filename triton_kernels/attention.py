@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .convert import INTERPRETED, to_storage
-from .philox import attention_keep
+from .philox import attention_keep, key_words
+from .rounding import INTERPRETED, to_storage
 
 LOG2E = 1.4426950408889634
 
@@ -237,11 +237,18 @@ def _strides(t):
 def _common(mask, q, seed, t16, ks):
     has_mask = mask is not None
     mask_arg = mask.view(torch.uint8) if has_mask else q
-    return has_mask, mask_arg, seed & 0xFFFFFFFF, seed >> 32, t16, float(ks), t16 > 0
+    k0, k1 = key_words(seed) if t16 > 0 else (0, 0)
+    return has_mask, mask_arg, k0, k1, t16, float(ks), t16 > 0
 
 
-def forward(q, k, v, o, lse, mask, causal, scale, seed, t16, ks):
+def _check_supported(cu_seqlens, window, q, k):
+    if cu_seqlens is not None or window or k.shape[1] != q.shape[1]:
+        raise NotImplementedError("the Triton attention kernels take neither cu_seqlens, windows nor grouped k/v")
+
+
+def forward(q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, seed, t16, ks):
     """o [B, H, Sq, D] (any strides, last dim contiguous) and lse fp32 [B, H, Sq] contiguous."""
+    _check_supported(cu_seqlens, window, q, k)
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     bm, bn, bd, warps, stages = _blocks(D, q.dtype, "fwd")
@@ -253,8 +260,11 @@ def forward(q, k, v, o, lse, mask, causal, scale, seed, t16, ks):
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
 
 
-def backward(do, q, k, v, lse, delta, dq, dk, dv, mask, causal, scale, seed, t16, ks):
-    """dq, dk, dv and do contiguous [B, H, S, D]; lse, delta fp32 contiguous [B, H, Sq]."""
+def backward(do, q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, seed, t16, ks, dq, dk, dv):
+    """dq, dk, dv and do contiguous [B, H, S, D]; lse fp32 contiguous [B, H, Sq]."""
+    _check_supported(cu_seqlens, window, q, k)
+    # delta_i = sum_j P_ij dP_ij = rowsum(dO * O), in fp32 (it includes the dropout).
+    delta = (do.float() * o.float()).sum(-1)
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     has_mask, mask_arg, k0, k1, t16, ks, drop = _common(mask, q, seed, t16, ks)

@@ -3,8 +3,8 @@
 import triton
 import triton.language as tl
 
-from .convert import to_compute, to_storage
-from .philox import elementwise_keep
+from .philox import elementwise_keep, key_words
+from .rounding import to_compute, to_storage
 
 
 @triton.jit(do_not_specialize=["k0", "k1", "t16"])
@@ -17,9 +17,9 @@ def _dropout_kernel(x, y, cols, k0, k1, t16, scale, BLOCK: tl.constexpr):
     tl.store(y + row * cols + offs, to_storage(tl.where(keep, v * scale, 0.0), y.dtype.element_ty), mask=live)
 
 
-def dropout(x, y, rows, cols, seed, t16, scale):
-    """y = x * keep * scale; x, y contiguous of rows*cols elements (y may be x)."""
+def forward(x, y, rows, cols, seed, t16, scale):
+    """y = x * keep * scale; x, y contiguous of rows*cols elements (y may be x); seed a seed tensor."""
     block = min(1024, triton.next_power_of_2(max(cols, 16)))
-    _dropout_kernel[(rows, triton.cdiv(cols, block))](x, y, cols, seed & 0xFFFFFFFF, seed >> 32, t16, scale,
-                                                     BLOCK=block)
+    k0, k1 = key_words(seed)
+    _dropout_kernel[(rows, triton.cdiv(cols, block))](x, y, cols, k0, k1, t16, scale, BLOCK=block)
     return y

@@ -1,4 +1,4 @@
-"""The one Triton implementation of Philox4x32-10 and of the dropout-mask contract (DESIGN.md).
+"""The one Triton implementation of Philox4x32-10 and of the dropout-mask contract (docs/DESIGN.md).
 
 Every GPU kernel that drops out calls `attention_keep` or `elementwise_keep`; nothing else in
 triton_kernels computes Philox. The high word of each 32x32 product comes from a widening
@@ -85,6 +85,12 @@ def _elementwise_mask_kernel(out, rows_total, cols_total, k0, k1, t16, BLOCK_M: 
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
     keep = elementwise_keep(k0, k1, rows, cols, t16)
     tl.store(out + rows * cols_total + cols, keep.to(tl.int8), mask=(rows < rows_total) & (cols < cols_total))
+
+
+def key_words(seed):
+    """(k0, k1) of a seed tensor (int32 [2]: the seed's low and high words) as Python ints."""
+    lo, hi = seed.tolist()
+    return lo & 0xFFFFFFFF, hi & 0xFFFFFFFF
 
 
 # Host-side entry points, used by the tests to check the device helpers against the contract.

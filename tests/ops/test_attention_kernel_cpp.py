@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selective_ckpt import ops, rng
+from selective_ckpt import backend, rng
 from tests.reference import assert_within_rule
 
-_C = ops._C
+_C = backend._C
+CODES = backend.DTYPE_CODES
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -51,7 +52,7 @@ def kernel_forward(q, k, v, mask=None, cu=None, causal=False, window=0, scale=No
     sizes, common, _keep = _args(q, k, v, mask, cu, causal, window, scale, p, seed)
     o = torch.full((B, Sq, H, D), 7.0, dtype=q.dtype).permute(0, 2, 1, 3)  # the op's layout; 7 = unwritten
     lse = torch.full((B, H, Sq), 7.0)
-    _C.attention_forward(ops.dtype_code(q), sizes, q.data_ptr(), q.stride()[:3], k.data_ptr(), k.stride()[:3],
+    _C.attention_forward(CODES[q.dtype], sizes, q.data_ptr(), q.stride()[:3], k.data_ptr(), k.stride()[:3],
                          v.data_ptr(), v.stride()[:3], o.data_ptr(), o.stride()[:3], lse.data_ptr(), **common)
     return o, lse
 
@@ -60,7 +61,7 @@ def kernel_backward(do, q, k, v, o, lse, mask=None, cu=None, causal=False, windo
     sizes, common, _keep = _args(q, k, v, mask, cu, causal, window, scale, p, seed)
     do = do.contiguous()
     dq, dk, dv = (torch.full(t.shape, 7.0, dtype=t.dtype) for t in (q, k, v))
-    _C.attention_backward(ops.dtype_code(q), sizes, do.data_ptr(), q.data_ptr(), q.stride()[:3], k.data_ptr(),
+    _C.attention_backward(CODES[q.dtype], sizes, do.data_ptr(), q.data_ptr(), q.stride()[:3], k.data_ptr(),
                           k.stride()[:3], v.data_ptr(), v.stride()[:3], o.data_ptr(), o.stride()[:3],
                           lse.contiguous().data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), **common)
     return dq, dk, dv

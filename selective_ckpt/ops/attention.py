@@ -1,17 +1,76 @@
 """Fused attention-softmax-dropout that keeps only q, k, v, o, the row logsumexp and a seed.
 
 Neither forward nor backward stores anything of size Sq x Sk: backward rebuilds the softmax from
-the logsumexp and the dropout mask from the seed (the attention stream of DESIGN.md).
+the logsumexp and the dropout mask from the seed (docs/DESIGN.md, "Attention" and "The dropout
+contract"). The forward op returns o, a [B, H, Sq, D] view of a contiguous [B, Sq, H, D] buffer,
+and the row logsumexp (fp32 [B, H, Sq], +inf where a row attends nothing).
 """
 
 import math
+from typing import Optional
 
 import torch
 
-from . import ops, rng
+from .. import backend, rng
+from ..validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 256
+
+def _output(q):
+    B, H, Sq, D = q.shape
+    return torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
+
+
+@torch.library.custom_op("selective_ckpt::attention_fwd", mutates_args=())
+def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+                     causal: bool, dropout_p: float, softmax_scale: float, seed: Optional[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, Sq, _ = q.shape
+    o = _output(q)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    t16, ks = rng.kernel_constants(dropout_p)
+    backend.call("attention", "forward", q, k, v, o, lse, mask, None, causal, 0, softmax_scale, seed, t16, ks)
+    return o, lse
+
+
+@attention_fwd_op.register_fake
+def _(q, k, v, key_padding_mask, causal, dropout_p, softmax_scale, seed):
+    B, H, Sq, _ = q.shape
+    return _output(q), q.new_empty(B, H, Sq, dtype=torch.float32)
+
+
+@torch.library.custom_op("selective_ckpt::attention_bwd", mutates_args=())
+def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                     lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, dropout_p: float,
+                     softmax_scale: float, seed: Optional[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do = do.contiguous()  # a grad from .sum().backward() has stride 0
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    t16, ks = rng.kernel_constants(dropout_p)
+    backend.call("attention", "backward", do, q, k, v, o, lse.contiguous(), mask, None, causal, 0, softmax_scale,
+                 seed, t16, ks, dq, dk, dv)
+    return dq, dk, dv
+
+
+@attention_bwd_op.register_fake
+def _(do, q, k, v, o, lse, key_padding_mask, causal, dropout_p, softmax_scale, seed):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, ctx.causal, ctx.dropout_p, ctx.softmax_scale, seed = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, mask, seed)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, mask, seed = ctx.saved_tensors
+    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, mask, ctx.causal, ctx.dropout_p, ctx.softmax_scale, seed)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_qkv(q, k, v):
@@ -76,8 +135,7 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     torch's generator when dropout_p > 0. The result is a view of a contiguous [B, Sq, H, D] buffer.
     """
     _check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool(causal, "causal")
     rng.threshold(dropout_p, "dropout_p")
     mask = _check_mask(key_padding_mask, q, k)
     scale = _check_scale(softmax_scale, q.shape[-1])
@@ -86,6 +144,6 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     else:
         if seed is not None:
             rng.seed_arg(seed)  # validated all the same
-        seed = rng.unused_seed()  # no mask is drawn; torch's generator is left untouched
-    o, _ = ops.attention_fwd_op(q, k, v, mask, causal, float(dropout_p), scale, seed)
+        seed = None  # no mask is drawn; torch's generator is left untouched
+    o, _ = attention_fwd_op(q, k, v, mask, causal, float(dropout_p), scale, seed)
     return o

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import selective_ckpt
-from selective_ckpt import ops, rng
+from selective_ckpt import rng
+from selective_ckpt.ops import attention as attention_ops
 from tests.reference import assert_within_rule
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -305,10 +306,11 @@ def test_opcheck_both_ops(use_backend):
     mask = make_mask(2, 13)
     q.requires_grad_()
     seed = rng.seed_arg(2**64 - 5)
-    torch.library.opcheck(ops.attention_fwd_op, (q, k, v, mask, True, 0.2, 0.25, seed))
-    o, lse = ops.attention_fwd_op(q, k, v, None, False, 0.0, 0.25, rng.unused_seed())
-    torch.library.opcheck(ops.attention_bwd_op, (torch.randn_like(o), q.detach(), k, v, o.detach(), lse.detach(), mask,
-                                                 False, 0.2, 0.25, seed))
+    torch.library.opcheck(attention_ops.attention_fwd_op, (q, k, v, mask, True, 0.2, 0.25, seed))
+    o, lse = attention_ops.attention_fwd_op(q, k, v, None, False, 0.0, 0.25, None)
+    do = torch.randn_like(o)
+    torch.library.opcheck(attention_ops.attention_bwd_op,
+                          (do, q.detach(), k, v, o.detach(), lse.detach(), mask, False, 0.2, 0.25, seed))
 
 
 def test_cpu_op_traces_under_torch_compile(use_backend):

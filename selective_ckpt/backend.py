@@ -1,0 +1,106 @@
+"""The one place that picks the C++ or the Triton kernels for a tensor and adapts the call.
+
+Op code (selective_ckpt/ops/) calls `call(family, fn, *args)` and never branches on the backend:
+
+- Triton (CUDA tensors, or CPU tensors with SELECTIVE_CKPT_BACKEND=triton and TRITON_INTERPRET=1):
+  `selective_ckpt.triton_kernels.<family>.<fn>(*args)`, tensors as they are.
+- C++ (CPU tensors): `_C.<family>_<fn>(dtype code of the first tensor, *args)` with every tensor
+  replaced by its data pointer and None by 0, unless the family registers an adapter below
+  (`_CPP_ADAPTERS`) for calls that need shapes, strides or a different split of the work.
+
+FAMILIES is the table of kernel families: a family is csrc/<family>.cpp, triton_kernels/<family>.py,
+selective_ckpt/ops/<family>.py and tests/ops/test_<family>.py, and one entry here.
+"""
+
+import importlib
+import os
+
+import torch
+
+from ._extension import load as _load_extension
+
+_C = _load_extension()
+
+FAMILIES = ("dropout", "layer_norm", "gelu", "attention")
+
+BACKEND_ENV = "SELECTIVE_CKPT_BACKEND"
+_CHOICES = ("auto", "cpp", "triton")
+
+# Element type codes shared with csrc/dtypes.h.
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """'cpp' or 'triton' for tensor t: CUDA -> Triton, CPU -> C++ unless SELECTIVE_CKPT_BACKEND=triton."""
+    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(_CHOICES)}, got {choice!r}")
+    if t.device.type == "cuda":
+        if choice == "cpp":
+            raise ValueError(f"{BACKEND_ENV}=cpp cannot run CUDA tensors; unset it or use 'triton'")
+        return "triton"
+    if t.device.type != "cpu":
+        raise ValueError(f"selective_ckpt runs on CPU and CUDA tensors, got device {t.device}")
+    return "triton" if choice == "triton" else "cpp"
+
+
+def _triton_module(family):
+    return importlib.import_module(f"{__package__}.triton_kernels.{family}")
+
+
+def _pointer(a):
+    if isinstance(a, torch.Tensor):
+        return a.data_ptr()
+    return 0 if a is None else a
+
+
+def _first_tensor(args):
+    return next(a for a in args if isinstance(a, torch.Tensor))
+
+
+def call(family: str, fn: str, *args):
+    """Runs kernel `fn` of `family` on the backend of its first tensor argument."""
+    like = _first_tensor(args)
+    if backend_for(like) == "triton":
+        return getattr(_triton_module(family), fn)(*args)
+    adapter = _CPP_ADAPTERS.get((family, fn))
+    if adapter is not None:
+        return adapter(*args)
+    return getattr(_C, f"{family}_{fn}")(DTYPE_CODES[like.dtype], *map(_pointer, args))
+
+
+# ---------------------------------------------------------------------------------------------
+# C++ adapters
+
+def _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, seed, t16, ks):
+    """The arguments both C++ attention kernels share after the tensors and their strides."""
+    B, H, Sq, D = q.shape
+    n_docs = 0 if cu_seqlens is None else cu_seqlens.numel() - 1
+    return ((B, H, k.shape[1], Sq, k.shape[2], D),
+            dict(key_padding_mask=_pointer(mask), cu_seqlens=_pointer(cu_seqlens), n_docs=n_docs, causal=causal,
+                 window=int(window or 0), scale=scale, seed=_pointer(seed), t16=t16, keep_scale=ks))
+
+
+def _strides(t):
+    return t.stride()[:3]  # (batch, head, row); the last dim is contiguous
+
+
+def _cpp_attention_forward(q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, seed, t16, ks):
+    """Blocked fp32 attention (csrc/attention.cpp): q, k, v, o by pointer and strides, any GQA group."""
+    sizes, problem = _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, seed, t16, ks)
+    _C.attention_forward(DTYPE_CODES[q.dtype], sizes, q.data_ptr(), _strides(q), k.data_ptr(), _strides(k),
+                         v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(), **problem)
+
+
+def _cpp_attention_backward(do, q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, seed, t16, ks, dq, dk, dv):
+    """dq, dk, dv (contiguous) from do (contiguous); delta = rowsum(dO * O) is taken inside."""
+    sizes, problem = _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, seed, t16, ks)
+    _C.attention_backward(DTYPE_CODES[q.dtype], sizes, do.data_ptr(), q.data_ptr(), _strides(q), k.data_ptr(),
+                          _strides(k), v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(),
+                          dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), **problem)
+
+
+_CPP_ADAPTERS = {
+    ("attention", "forward"): _cpp_attention_forward,
+    ("attention", "backward"): _cpp_attention_backward,
+}
