@@ -534,6 +534,15 @@ inline bool query_cols(const Problem& p, int64_t bh, int64_t i0, int64_t n, int6
   return any;
 }
 
+// Does every query column c < n attend every key in [j0, j1) (no padding mask)? Then the tile
+// needs no masking: columns past n hold garbage that is never stored.
+inline bool tile_full(const Problem& p, const int64_t* lo, const int64_t* hi, int64_t n, int64_t j0, int64_t j1) {
+  if (p.pad != nullptr) return false;
+  bool full = true;
+  for (int64_t c = 0; c < n; ++c) full &= lo[c] <= j0 && hi[c] >= j1;
+  return full;
+}
+
 // Does any of the query columns attend a key in [j0, j1)?
 inline bool tile_attended(const int64_t* lo, const int64_t* hi, int64_t n, int64_t j0, int64_t j1) {
   bool any = false;
@@ -577,15 +586,26 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
       tmax[c] = neg_inf;
       lsum[c] = Acc(0);
     }
-    for (int64_t r = 0; r < nk; ++r) {
-      Acc* s = St + r * N;
-      const int64_t j = j0 + r;
-      const bool pj = padv[r] != 0;
-      for (int64_t c = 0; c < N; ++c) {
-        const bool on = pj & (j >= lo[c]) & (j < hi[c]);
-        seen[c] |= uint8_t(on);
-        s[c] = or_neg_inf(on, s[c] * scale);
-        tmax[c] = __builtin_isgreater(s[c], tmax[c]) ? s[c] : tmax[c];
+    if (tile_full(p, lo, hi, n, j0, j0 + nk)) {
+      for (int64_t c = 0; c < n; ++c) seen[c] = 1;
+      for (int64_t r = 0; r < nk; ++r) {
+        Acc* s = St + r * N;
+        for (int64_t c = 0; c < N; ++c) {
+          s[c] *= scale;
+          tmax[c] = __builtin_isgreater(s[c], tmax[c]) ? s[c] : tmax[c];
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < nk; ++r) {
+        Acc* s = St + r * N;
+        const int64_t j = j0 + r;
+        const bool pj = padv[r] != 0;
+        for (int64_t c = 0; c < N; ++c) {
+          const bool on = pj & (j >= lo[c]) & (j < hi[c]);
+          seen[c] |= uint8_t(on);
+          s[c] = or_neg_inf(on, s[c] * scale);
+          tmax[c] = __builtin_isgreater(s[c], tmax[c]) ? s[c] : tmax[c];
+        }
       }
     }
     for (int64_t c = 0; c < N; ++c) {
@@ -682,16 +702,23 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
     gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
     if (p.t16) keep_cols(p, bh, i0, n, j0, nk, lo, hi, N, keep);
-    for (int64_t r = 0; r < nk; ++r) {
-      Acc *s = St + r * N, *dp = dPt + r * N;
-      const int64_t j = j0 + r;
-      const bool pj = padv[r] != 0;
-      const Acc* kr = keep + r * N;
-      for (int64_t c = 0; c < N; ++c) {
-        const bool on = pj & (j >= lo[c]) & (j < hi[c]);
-        const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
-        const Acc kf = p.t16 ? kr[c] : Acc(1);
-        dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
+    if (!p.t16 && tile_full(p, lo, hi, n, j0, j0 + nk)) {
+      for (int64_t r = 0; r < nk; ++r) {
+        Acc *s = St + r * N, *dp = dPt + r * N;
+        for (int64_t c = 0; c < N; ++c) dp[c] = exp_nan(s[c] * scale - lse[c]) * (dp[c] - delta[c]);
+      }
+    } else {
+      for (int64_t r = 0; r < nk; ++r) {
+        Acc *s = St + r * N, *dp = dPt + r * N;
+        const int64_t j = j0 + r;
+        const bool pj = padv[r] != 0;
+        const Acc* kr = keep + r * N;
+        for (int64_t c = 0; c < N; ++c) {
+          const bool on = pj & (j >= lo[c]) & (j < hi[c]);
+          const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
+          const Acc kf = p.t16 ? kr[c] : Acc(1);
+          dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
+        }
       }
     }
     gemm<true>(dPt, N, Kn, Dp, M, Dp, nk, dQ, Dp, true);  // dQ += dS K, dS read from dS^T
@@ -751,6 +778,14 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
         if (a >= e || lr == inf) {
           std::memset(static_cast<void*>(s), 0, size_t(NK) * sizeof(Acc));
           std::memset(static_cast<void*>(dp), 0, size_t(NK) * sizeof(Acc));
+          continue;
+        }
+        if (!p.t16 && p.pad == nullptr && a == 0 && e == nk) {  // the row attends the whole tile
+          for (int64_t c = 0; c < NK; ++c) {  // columns past nk feed only rows never stored
+            const Acc pr = exp_nan(s[c] * scale - lr);
+            dp[c] = pr * (dp[c] - dr);
+            s[c] = pr;
+          }
           continue;
         }
         if (p.t16) {
