@@ -10,6 +10,7 @@
 #ifndef SCKPT_ATTENTION_TILE_KERNELS
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -34,8 +35,9 @@ using Strides = std::array<int64_t, 3>;  // element strides of the (batch, head,
 // Query and key tile sizes (rows), multiples of 16; attention_tiles changes them for tuning.
 // 128 x 64 and 128 x 128 ran fastest in bench/attention.py --table (fp32 causal D=64, S 512-4096,
 // 2 Zen 4 cores); 128 x 64 keeps the per-thread working set in L2 and wastes less on short documents.
-int64_t g_block_q = 128;
-int64_t g_block_k = 64;
+// Atomic: calls release the GIL, so another thread may retune while one reads.
+std::atomic<int64_t> g_block_q{128};
+std::atomic<int64_t> g_block_k{64};
 
 struct Problem {
   int64_t B, H, Hkv, Sq, Sk, D, G, Dp;  // G = H / Hkv query heads per kv head; Dp = D rounded to 16
@@ -301,10 +303,7 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
 std::pair<int64_t, int64_t> attention_tiles(int64_t block_q, int64_t block_k) {
   for (int64_t b : {block_q, block_k})
     if (b < 16 || b > 512 || b % 16 != 0) throw std::invalid_argument("attention tiles must be multiples of 16 in [16, 512]");
-  const std::pair<int64_t, int64_t> old{g_block_q, g_block_k};
-  g_block_q = block_q;
-  g_block_k = block_k;
-  return old;
+  return {g_block_q.exchange(block_q), g_block_k.exchange(block_k)};
 }
 
 const char* attention_isa() {
