@@ -69,7 +69,7 @@ def _attend(qkv, num_heads, causal, dropout_p, attention_mask, seed, softmax_sca
     q, k, v = qkv.view(B, S, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4).unbind(0)
     scale = softmax_scale if softmax_scale is not None else (hidden // num_heads) ** -0.5
     # The layer built q, k, v and drew the seed itself: the op is called without re-checking them.
-    o, _ = attention_fwd_op(q, k, v, attention_mask, causal, float(dropout_p), float(scale),
+    o, _ = attention_fwd_op(q, k, v, attention_mask, None, causal, 0, float(dropout_p), float(scale),
                             seed if dropout_p > 0 else None)
     return o.transpose(1, 2).reshape(B, S, hidden)  # o is a view of a [B, S, H, D] buffer
 

@@ -1,12 +1,14 @@
 """Fused attention-softmax-dropout that keeps only q, k, v, o, the row logsumexp and a seed.
 
 Neither forward nor backward stores anything of size Sq x Sk: backward rebuilds the softmax from
-the logsumexp and the dropout mask from the seed (docs/DESIGN.md, "Attention" and "The dropout
-contract"). The forward op returns o, a [B, H, Sq, D] view of a contiguous [B, Sq, H, D] buffer,
-and the row logsumexp (fp32 [B, H, Sq], +inf where a row attends nothing).
+the logsumexp and the dropout mask from the seed (docs/DESIGN.md, "Attention semantics" and "The
+dropout contract"). The forward op returns o, a [B, H, Sq, D] view of a contiguous [B, Sq, H, D]
+buffer, and the row logsumexp (fp32 [B, H, Sq], +inf where a row attends nothing). k and v may have
+fewer heads than q (grouped-query attention); they are never expanded.
 """
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -22,52 +24,54 @@ def _output(q):
 
 @torch.library.custom_op("selective_ckpt::attention_fwd", mutates_args=())
 def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
-                     causal: bool, dropout_p: float, softmax_scale: float, seed: Optional[torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     cu_seqlens: Optional[torch.Tensor], causal: bool, sliding_window: int, dropout_p: float,
+                     softmax_scale: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, Sq, _ = q.shape
     o = _output(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     t16, ks = rng.kernel_constants(dropout_p)
-    backend.call("attention", "forward", q, k, v, o, lse, mask, None, causal, 0, softmax_scale, seed, t16, ks)
+    backend.call("attention", "forward", q, k, v, o, lse, mask, cu_seqlens, causal, sliding_window, softmax_scale,
+                 seed, t16, ks)
     return o, lse
 
 
 @attention_fwd_op.register_fake
-def _(q, k, v, key_padding_mask, causal, dropout_p, softmax_scale, seed):
+def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed):
     B, H, Sq, _ = q.shape
     return _output(q), q.new_empty(B, H, Sq, dtype=torch.float32)
 
 
 @torch.library.custom_op("selective_ckpt::attention_bwd", mutates_args=())
 def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                     lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, dropout_p: float,
-                     softmax_scale: float, seed: Optional[torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                     causal: bool, sliding_window: int, dropout_p: float, softmax_scale: float,
+                     seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do = do.contiguous()  # a grad from .sum().backward() has stride 0
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     t16, ks = rng.kernel_constants(dropout_p)
-    backend.call("attention", "backward", do, q, k, v, o, lse.contiguous(), mask, None, causal, 0, softmax_scale,
-                 seed, t16, ks, dq, dk, dv)
+    backend.call("attention", "backward", do, q, k, v, o, lse.contiguous(), mask, cu_seqlens, causal, sliding_window,
+                 softmax_scale, seed, t16, ks, dq, dk, dv)
     return dq, dk, dv
 
 
 @attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, key_padding_mask, causal, dropout_p, softmax_scale, seed):
+def _(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, ctx.causal, ctx.dropout_p, ctx.softmax_scale, seed = inputs
+    q, k, v, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p, ctx.softmax_scale, seed = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, mask, seed)
+    ctx.save_for_backward(q, k, v, o, lse, mask, cu_seqlens, seed)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, mask, seed = ctx.saved_tensors
-    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, mask, ctx.causal, ctx.dropout_p, ctx.softmax_scale, seed)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, o, lse, mask, cu_seqlens, seed = ctx.saved_tensors
+    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p,
+                                  ctx.softmax_scale, seed)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -87,8 +91,11 @@ def _check_qkv(q, k, v):
         if t.device != q.device:
             raise ValueError(f"q, k and v must be on one device: q is on {q.device}, {name} on {t.device}")
     B, H, Sq, D = q.shape
-    if k.shape[0] != B or k.shape[1] != H or k.shape[3] != D:
-        raise ValueError(f"k must have shape [B={B}, H={H}, Sk, D={D}] like q, got {list(k.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must have shape [B={B}, Hkv, Sk, D={D}] like q, got {list(k.shape)}")
+    if k.shape[1] < 1 or H % k.shape[1]:
+        raise ValueError(f"k and v must have a number of heads Hkv that divides q's H={H} (grouped-query "
+                         f"attention: query head h reads kv head h // (H // Hkv)), got Hkv={k.shape[1]}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {list(k.shape)}, got {list(v.shape)}")
     if not 1 <= D <= MAX_HEAD_DIM:
@@ -115,6 +122,50 @@ def _check_mask(mask, q, k):
     return mask
 
 
+def _check_window(sliding_window):
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int (query i attends keys j > i - sliding_window) "
+                         f"or None, got {sliding_window!r}")
+    return sliding_window
+
+
+_CHECKED_CU_SEQLENS = [None]  # (weakref, version, S) of the last cu_seqlens checked: models pass one per layer
+
+
+def _check_cu_seqlens(cu_seqlens, q, k, mask):
+    """cu_seqlens as int32 [n + 1] offsets 0 = c0 <= ... <= cn = S on q's device, or the error naming it."""
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be an int32 torch.Tensor [n + 1] or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be an int32 (or int64) tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 offsets, got shape {list(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    B, _, S, _ = q.shape
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs the documents packed into one row (B = 1), got B={B}")
+    if k.shape[2] != S:
+        raise ValueError(f"cu_seqlens needs q, k and v of one length (packed self-attention), got Sq={S}, "
+                         f"Sk={k.shape[2]}")
+    if mask is not None:
+        raise ValueError("key_padding_mask and cu_seqlens cannot be combined: packed documents carry no padding")
+    last = _CHECKED_CU_SEQLENS[0]
+    if not (last is not None and last[0]() is cu_seqlens and last[1:] == (cu_seqlens._version, S)):
+        offsets = cu_seqlens.tolist()  # one read per distinct tensor (a model hands every layer the same one)
+        if offsets[0] != 0 or offsets[-1] != S:
+            raise ValueError(f"cu_seqlens must start at 0 and end at S={S}, got {offsets[0]} ... {offsets[-1]}")
+        if any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+        if not cu_seqlens.is_inference():
+            _CHECKED_CU_SEQLENS[0] = (weakref.ref(cu_seqlens), cu_seqlens._version, S)
+    return cu_seqlens.to(torch.int32).contiguous()
+
+
 def _check_scale(softmax_scale, D):
     if softmax_scale is None:
         return D**-0.5
@@ -125,12 +176,17 @@ def _check_scale(softmax_scale, D):
     return float(softmax_scale)
 
 
-def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padding_mask=None, seed=None):
+def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padding_mask=None, seed=None, *,
+              sliding_window=None, cu_seqlens=None):
     """softmax(q k^T * softmax_scale + masks), dropped out, times v: o [B, H, Sq, D].
 
-    q [B, H, Sq, D], k and v [B, H, Sk, D] of one dtype (fp32, fp16, bf16), any strides with a
+    q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H % Hkv == 0 (query head h reads kv head
+    h // (H // Hkv); k and v are never expanded), one dtype (fp32, fp16, bf16), any strides with a
     contiguous last dim. `causal` lets query i attend keys j <= i (top-left, like PyTorch's
-    is_causal); `key_padding_mask` [B, Sk] bool, True = attend. Rows with nothing to attend give 0.
+    is_causal); `sliding_window=w` also requires j > i - w (Mistral's convention);
+    `key_padding_mask` [B, Sk] bool, True = attend; `cu_seqlens` int32 [n + 1] (0 ... S) packs n
+    documents into one row (B = 1, Sq = Sk = S): queries attend only keys of their own document,
+    causal and window measured inside it. Rows with nothing to attend give 0.
     `dropout_p` drops normalised probabilities with the contract's mask; `seed=None` draws one from
     torch's generator when dropout_p > 0. The result is a view of a contiguous [B, Sq, H, D] buffer.
     """
@@ -138,6 +194,8 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     check_bool(causal, "causal")
     rng.threshold(dropout_p, "dropout_p")
     mask = _check_mask(key_padding_mask, q, k)
+    window = _check_window(sliding_window)
+    cu_seqlens = _check_cu_seqlens(cu_seqlens, q, k, mask)
     scale = _check_scale(softmax_scale, q.shape[-1])
     if dropout_p > 0:
         seed = rng.seed_arg(seed, q.device)
@@ -145,5 +203,5 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
         if seed is not None:
             rng.seed_arg(seed)  # validated all the same
         seed = None  # no mask is drawn; torch's generator is left untouched
-    o, _ = attention_fwd_op(q, k, v, mask, causal, float(dropout_p), scale, seed)
+    o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed)
     return o
