@@ -16,7 +16,6 @@ in one process (fp32 causal B=2 H=8 D=64 at S 512-4096, bf16 at 2048), medians w
 """
 
 import argparse
-import inspect
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import selective_ckpt  # noqa: E402
-from selective_ckpt import backend, memory, rng  # noqa: E402
+from selective_ckpt import backend, memory  # noqa: E402
 from selective_ckpt.bench import sync  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -154,33 +153,8 @@ def interleaved(fns, qkv, grad, rounds, warmup=1):
     return times, ratios
 
 
-class _PackedAttention(torch.autograd.Function):
-    """Our kernels through backend.call with cu_seqlens, for a public op that does not take them yet."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens):
-        B, H, S, D = q.shape
-        o = torch.empty(B, S, H, D, dtype=q.dtype).permute(0, 2, 1, 3)
-        lse = torch.empty(B, H, S, dtype=torch.float32)
-        t16, ks = rng.kernel_constants(0.0)
-        backend.call("attention", "forward", q, k, v, o, lse, None, cu_seqlens, True, 0, D**-0.5, None, t16, ks)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
-        t16, ks = rng.kernel_constants(0.0)
-        backend.call("attention", "backward", do.contiguous(), q, k, v, o, lse, None, cu_seqlens, True, 0,
-                     q.shape[-1] ** -0.5, None, t16, ks, dq, dk, dv)
-        return dq, dk, dv, None
-
-
 def packed(q, k, v, cu_seqlens):
-    if "cu_seqlens" in inspect.signature(selective_ckpt.attention).parameters:
-        return selective_ckpt.attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
-    return _PackedAttention.apply(q, k, v, cu_seqlens)
+    return selective_ckpt.attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
 
 
 def fmt(q3, scale=1e3):
