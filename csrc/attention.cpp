@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include <pybind11/stl.h>
@@ -158,7 +159,8 @@ namespace avx512 {
 
 enum class Isa { generic, avx2, avx512 };
 
-Isa best_isa() {
+// The widest ISA this CPU runs.
+Isa native_isa() {
 #ifdef SCKPT_HAVE_X86_TILES
   static const Isa isa = [] {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -173,6 +175,14 @@ Isa best_isa() {
 #else
   return Isa::generic;
 #endif
+}
+
+// The ISA the kernels run: the native one unless narrowed by attention_use_isa (so tests check
+// every compiled variant on one machine).
+std::atomic<int> g_isa{-1};
+Isa best_isa() {
+  const int chosen = g_isa.load();
+  return chosen < 0 ? native_isa() : Isa(chosen);
 }
 
 #ifdef SCKPT_HAVE_X86_TILES
@@ -306,12 +316,29 @@ std::pair<int64_t, int64_t> attention_tiles(int64_t block_q, int64_t block_k) {
   return {g_block_q.exchange(block_q), g_block_k.exchange(block_k)};
 }
 
-const char* attention_isa() {
-  switch (best_isa()) {
+const char* isa_name(Isa isa) {
+  switch (isa) {
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "generic";
   }
+}
+
+const char* attention_isa() { return isa_name(best_isa()); }
+
+// Runs the kernels compiled for `name` ("generic", "avx2", "avx512", or "native" to undo), which
+// this CPU must support; returns the previous choice.
+std::string attention_use_isa(const std::string& name) {
+  const std::string old = g_isa.load() < 0 ? "native" : isa_name(best_isa());
+  int chosen;
+  if (name == "native") chosen = -1;
+  else if (name == "generic") chosen = int(Isa::generic);
+  else if (name == "avx2") chosen = int(Isa::avx2);
+  else if (name == "avx512") chosen = int(Isa::avx512);
+  else throw std::invalid_argument("attention ISA must be native, generic, avx2 or avx512");
+  if (chosen > int(native_isa())) throw std::invalid_argument("this CPU does not run attention ISA " + name);
+  g_isa.store(chosen);
+  return old;
 }
 
 void register_attention(py::module_& m) {
@@ -327,6 +354,7 @@ void register_attention(py::module_& m) {
         py::arg("keep_scale"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::call_guard<py::gil_scoped_release>());
   m.def("attention_tiles", &attention_tiles, py::arg("block_q"), py::arg("block_k"));
   m.def("attention_isa", &attention_isa);
+  m.def("attention_use_isa", &attention_use_isa, py::arg("name"));
 }
 
 SCKPT_REGISTER(register_attention);

@@ -348,3 +348,19 @@ def test_public_attention_is_the_kernel(case):
     same = with_grads(lambda a, b, c: reference(a, b, c, allow, D**-0.5, case["p"], 21), q, k, v, grad)
     for name, x, e, r, factor in zip(("o", "dq", "dk", "dv"), public, same, ref, (2, 3, 3, 3)):
         assert_within_rule(x, e, r, factor, name=name)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_every_compiled_isa(isa):
+    """The kernels are compiled per ISA (4- and 8-row register blocks); each one meets the rule."""
+    try:
+        old = _C.attention_use_isa(isa)
+    except ValueError:
+        pytest.skip(f"this CPU does not run {isa}")
+    try:
+        assert _C.attention_isa() == isa
+        check(2, 4, 2, 113, 113, 80, torch.bfloat16, True, 0, True, False, p=0.17)
+        check(1, 2, 1, 77, 45, 3, torch.float32, False, 9, True, True, p=0.0)
+        check(1, 4, 2, 96, 96, 64, torch.float16, True, 5, cu=[0, 1, 40, 40, 96], p=0.17)
+    finally:
+        _C.attention_use_isa(old)
