@@ -17,9 +17,13 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <pybind11/stl.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #include "registry.h"
 #include "dtypes.h"
@@ -115,12 +119,16 @@ struct Work {
 
 namespace generic {
 #define SCKPT_ATT_FMA 0
+#define SCKPT_ATT_VB 16
+#define SCKPT_ATT_VFMA(a, b, c) ((a) * (b) + (c))
 #define SCKPT_ATT_NR 16
 #define SCKPT_ATT_MR 4
 #define SCKPT_ATTENTION_TILE_KERNELS
 #include "attention.cpp"  // NOLINT: the tile kernels below, baseline ISA
 #undef SCKPT_ATTENTION_TILE_KERNELS
 #undef SCKPT_ATT_FMA
+#undef SCKPT_ATT_VB
+#undef SCKPT_ATT_VFMA
 #undef SCKPT_ATT_NR
 #undef SCKPT_ATT_MR
 }  // namespace generic
@@ -131,12 +139,16 @@ namespace generic {
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #define SCKPT_ATT_FMA 1
+#define SCKPT_ATT_VB 32
+#define SCKPT_ATT_VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define SCKPT_ATT_NR 16
 #define SCKPT_ATT_MR 4
 #define SCKPT_ATTENTION_TILE_KERNELS
 #include "attention.cpp"  // NOLINT: the same kernels for AVX2 + FMA
 #undef SCKPT_ATTENTION_TILE_KERNELS
 #undef SCKPT_ATT_FMA
+#undef SCKPT_ATT_VB
+#undef SCKPT_ATT_VFMA
 #undef SCKPT_ATT_NR
 #undef SCKPT_ATT_MR
 }  // namespace avx2
@@ -145,12 +157,16 @@ namespace avx2 {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace avx512 {
 #define SCKPT_ATT_FMA 1
+#define SCKPT_ATT_VB 64
+#define SCKPT_ATT_VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define SCKPT_ATT_NR 32
 #define SCKPT_ATT_MR 8
 #define SCKPT_ATTENTION_TILE_KERNELS
 #include "attention.cpp"  // NOLINT: the same kernels for AVX-512 (32 registers, 16 floats wide)
 #undef SCKPT_ATTENTION_TILE_KERNELS
 #undef SCKPT_ATT_FMA
+#undef SCKPT_ATT_VB
+#undef SCKPT_ATT_VFMA
 #undef SCKPT_ATT_NR
 #undef SCKPT_ATT_MR
 }  // namespace avx512
@@ -441,6 +457,44 @@ inline void gemm_block(const Acc* __restrict a, int64_t lda, const Acc* __restri
     for (int n = 0; n < NR; ++n) c[r * ldc + n] = acc[r][n];
 }
 
+// The float block with explicit vectors of this ISA's width: left to itself GCC vectorises the
+// 16-column AVX2 block along K with shuffles and spills, ten times slower than this.
+// Unaligned and may alias float rows; loads and stores through it are single vector moves.
+typedef float VecF __attribute__((vector_size(SCKPT_ATT_VB), aligned(4), may_alias));
+constexpr int kVecW = SCKPT_ATT_VB / 4;
+
+inline VecF load_vec(const float* p) { return *reinterpret_cast<const VecF*>(p); }
+inline void store_vec(float* p, VecF v) { *reinterpret_cast<VecF*>(p) = v; }
+inline VecF splat(float x) { return x - VecF{}; }  // x - 0 is exactly x: a pure broadcast
+
+template <int NR, bool TA>
+inline void gemm_block_vec(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t ldb, int64_t K,
+                           float* __restrict c, int64_t ldc, bool accumulate) {
+  constexpr int NV = NR / kVecW;
+  VecF acc[kMR][NV];
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load_vec(c + r * ldc + v * kVecW) : splat(0.0f);
+  for (int64_t kk = 0; kk < K; ++kk) {
+    VecF bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = load_vec(b + kk * ldb + v * kVecW);
+    for (int r = 0; r < kMR; ++r) {
+      const VecF av = splat(TA ? a[kk * lda + r] : a[r * lda + kk]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = SCKPT_ATT_VFMA(av, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) store_vec(c + r * ldc + v * kVecW, acc[r][v]);
+}
+
+template <class Acc, int NR, bool TA>
+inline void gemm_any(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, int64_t K, Acc* c, int64_t ldc,
+                     bool accumulate) {
+  if constexpr (std::is_same_v<Acc, float> && NR % kVecW == 0)
+    gemm_block_vec<NR, TA>(a, lda, b, ldb, K, c, ldc, accumulate);
+  else
+    gemm_block<Acc, NR, TA>(a, lda, b, ldb, K, c, ldc, accumulate);
+}
+
 // C[M x N] (+)= A[M x K] B[K x N], M a multiple of kMR, N of 16. Column panels of B outer, so a
 // K x NR panel of B stays in L1 while the row blocks of A stream past it.
 template <bool TA = false, class Acc>
@@ -450,10 +504,10 @@ void gemm(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, int64_t M, int64
   int64_t n = 0;
   for (; n + kNR <= N; n += kNR)
     for (int64_t i = 0; i < M; i += kMR)
-      gemm_block<Acc, kNR, TA>(arow(i), lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
+      gemm_any<Acc, kNR, TA>(arow(i), lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
   for (; n < N; n += 16)
     for (int64_t i = 0; i < M; i += kMR)
-      gemm_block<Acc, 16, TA>(arow(i), lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
+      gemm_any<Acc, 16, TA>(arow(i), lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
 }
 
 // out[r, 0:Dp] = rows r < n of x (row stride `stride`), zero past D and for rows n..nr.
