@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .. import backend, rng
+from ..double_backward import first_order_only
 from ..validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool
 
 
@@ -67,6 +68,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, mask, cu_seqlens, seed)
 
 
+@first_order_only("selective_ckpt.attention")
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, mask, cu_seqlens, seed = ctx.saved_tensors
     dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p,

@@ -14,6 +14,7 @@ other autograd code (selective_ckpt/fused.py, which saves the norm input instead
 import torch
 
 from .. import backend, rng
+from ..double_backward import first_order_only
 from ..validation import check_floating
 from .dropout import dropout_op
 
@@ -175,6 +176,7 @@ class _GeluMLP(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only("selective_ckpt.gelu_mlp")
     def backward(ctx, dy):
         x, h, a, w1, b1, w2, b2, seed = ctx.saved_tensors
         grads = mlp_backward(dy, x, h, a, w1, b1, w2, b2, ctx.dropout_p, ctx.approximate, seed,

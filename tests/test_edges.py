@@ -1,0 +1,118 @@
+"""Edges of autograd, compile and the kernels' math: each case here once gave a silently wrong
+result or an error that did not say what to do."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import selective_ckpt as sc
+from selective_ckpt import fused
+from selective_ckpt.layers import SelectiveDecoderLayer, SelectiveMLP
+from selective_ckpt.ops.gelu import gelu_backward_op, gelu_op
+
+DOUBLE_BACKWARD = "does not support double backward"
+
+
+# --- double backward: right (float64 gradgradcheck) or refused naming the op -----------------------
+
+def _penalty(fn, inputs):
+    """grad(|d out / d inputs[0]|^2, inputs): a gradient penalty, i.e. a second derivative."""
+    out = fn(*inputs)
+    (g,) = torch.autograd.grad(out.sum(), inputs[0], create_graph=True)
+    return torch.autograd.grad(g.pow(2).sum(), inputs, allow_unused=True)
+
+
+def _leaf(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(True)
+
+
+def test_gelu_mlp_double_backward_is_refused_not_wrong():
+    x, w1, w2 = _leaf(3, 8), _leaf(6, 8), _leaf(8, 6)
+    with pytest.raises(RuntimeError, match=f"selective_ckpt.gelu_mlp {DOUBLE_BACKWARD}"):
+        _penalty(lambda x, w1, w2: sc.gelu_mlp(x, w1, None, w2, None), (x, w1, w2))
+    # first-order gradients under create_graph=True are still the right values
+    y = sc.gelu_mlp(x, w1, None, w2, None)
+    got = torch.autograd.grad(y.pow(2).sum(), (x, w1, w2), create_graph=True)
+    xd, w1d, w2d = (t.detach().double().requires_grad_(True) for t in (x, w1, w2))
+    want = torch.autograd.grad(F.linear(F.gelu(F.linear(xd, w1d)), w2d).pow(2).sum(), (xd, w1d, w2d))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
+
+
+def test_selective_mlp_double_backward_is_refused():
+    mlp = SelectiveMLP(8, 2.0)
+    x = _leaf(2, 3, 8)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        _penalty(lambda x, *_: mlp(x), (x, mlp.fc1.weight, mlp.fc2.weight))
+    # the penalty on a weight only (x not requiring grad) is refused as well
+    y = mlp(x.detach())
+    (g,) = torch.autograd.grad(y.sum(), mlp.fc1.weight, create_graph=True)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        torch.autograd.grad(g.pow(2).sum(), mlp.fc2.weight)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "attention", "ln_linear", "ln_mlp", "layer"])
+def test_double_backward_refused_naming_the_op(op, backend):
+    torch.manual_seed(0)
+    lw, lb = _leaf(8), _leaf(8)
+    w1, w2 = _leaf(12, 8), _leaf(8, 12)
+    cases = {
+        "layer_norm": ("selective_ckpt.layer_norm", lambda x: sc.layer_norm(x, lw, lb), _leaf(3, 8)),
+        "attention": ("selective_ckpt.attention", lambda q: sc.attention(q, q, q, causal=True), _leaf(1, 2, 5, 4)),
+        "ln_linear": ("selective_ckpt.fused.ln_linear", lambda x: fused.ln_linear(x, lw, lb, w1, None), _leaf(3, 8)),
+        "ln_mlp": ("selective_ckpt.fused.ln_mlp", lambda x: fused.ln_mlp(x, lw, lb, w1, None, w2, None), _leaf(3, 8)),
+        "layer": (DOUBLE_BACKWARD, SelectiveDecoderLayer(8, 2), _leaf(2, 3, 8)),
+    }
+    name, fn, x = cases[op]
+    with pytest.raises(RuntimeError, match=name):
+        _penalty(fn, (x,))
+
+
+def test_dropout_double_backward_is_right(backend):
+    # dropout is linear and its backward is the op itself, so the second derivative is exact
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    seed = sc.rng.seed_arg(1234)
+    assert torch.autograd.gradgradcheck(lambda t: sc.dropout(t, 0.3, seed=seed) * t, (x,))
+
+
+@pytest.mark.parametrize("mode", ["selective", "none", "full"])
+def test_layer_double_backward_refused_in_every_mode(mode):
+    layer = SelectiveDecoderLayer(8, 2, recompute=mode)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        _penalty(layer, (_leaf(2, 3, 8),))
+
+
+# --- GELU tails: both forms, both backends, against eager F.gelu ----------------------------------
+
+TAILS = [-math.inf, -1e15, -1e10, -1e3, 1e3, 1e10, 1e15, math.inf, math.nan]
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gelu_tails_match_eager(approximate, dtype, backend):
+    x = torch.tensor(TAILS, dtype=dtype)  # fp16 turns +-1e10 and +-1e15 into +-inf
+    xe = x.clone().requires_grad_(True)
+    ye = F.gelu(xe, approximate=approximate)
+    ye.backward(torch.ones_like(ye))
+    a = gelu_op(x, approximate)
+    g = torch.ones_like(x)
+    gelu_backward_op(g, x, approximate)
+    want_a = ye.detach().clone()
+    if approximate == "none":
+        # eager's erf GELU gives NaN at +inf; its limit (+inf, what the tanh form gives) is kept
+        want_a[x == math.inf] = math.inf
+    torch.testing.assert_close(a, want_a, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(g, xe.grad, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_tanh_gradient_decays_for_large_negative_inputs(approximate, backend):
+    # between the moderate range and the tails: gelu'(h) vanishes monotonically, never a huge value
+    h = -torch.logspace(0.5, 37, 400)
+    g = torch.ones_like(h)
+    gelu_backward_op(g, h, approximate)
+    ref = torch.func.grad(lambda t: F.gelu(t, approximate=approximate).sum())(h.double())
+    assert ((g.double() - ref).abs() <= 1e-6).all()
+    assert (g[h < -30] == 0).all()
