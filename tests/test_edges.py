@@ -116,3 +116,51 @@ def test_gelu_tanh_gradient_decays_for_large_negative_inputs(approximate, backen
     ref = torch.func.grad(lambda t: F.gelu(t, approximate=approximate).sum())(h.double())
     assert ((g.double() - ref).abs() <= 1e-6).all()
     assert (g[h < -30] == 0).all()
+
+
+# --- torch.compile(fullgraph=True, dynamic=True): dropout rates never meet math.isnan ------------
+
+def _compiles_once(fn, make_inputs, lengths=(5, 9)):
+    """Runs the compiled fn on each length (forward and backward); returns the outputs and the number
+    of graphs dynamo built."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    outs = []
+    for n in lengths:
+        inputs = make_inputs(n)
+        out = compiled(*inputs)
+        out.float().sum().backward()
+        outs.append((inputs, out))
+    return outs, counters["stats"]["unique_graphs"]
+
+
+def test_compile_dynamic_layer_two_lengths_one_graph():
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(SelectiveDecoderLayer(16, 2, dropout=0.1, attn_dropout=0.1),
+                                SelectiveMLP(16, dropout=0.1))
+    outs, graphs = _compiles_once(layer, lambda s: (torch.randn(2, s, 16, requires_grad=True),))
+    assert graphs == 1
+    assert [tuple(o.shape) for _, o in outs] == [(2, 5, 16), (2, 9, 16)]
+    # without dropout the compiled layer is the eager one
+    layer.eval()
+    (((x,), y),), _ = _compiles_once(layer, lambda s: (torch.randn(1, s, 16),), lengths=(7,))
+    torch.testing.assert_close(y, layer(x))
+
+
+def test_compile_dynamic_public_functions_with_dropout():
+    torch.manual_seed(0)
+    w1, w2, lw = torch.randn(24, 16) * 0.2, torch.randn(16, 24) * 0.2, torch.ones(16)
+
+    def fn(x):
+        h = sc.layer_norm(x, lw)
+        h = sc.dropout(h, 0.1)
+        q = h.view(*h.shape[:2], 2, 8).transpose(1, 2)
+        o = sc.attention(q, q, q, causal=True, dropout_p=0.1).transpose(1, 2).reshape(h.shape)
+        return sc.gelu_mlp(o, w1, None, w2, None, dropout_p=0.1)
+
+    outs, graphs = _compiles_once(fn, lambda s: (torch.randn(2, s, 16, requires_grad=True),))
+    assert graphs == 1
+    assert all(x.grad is not None and x.grad.shape == x.shape for (x,), _ in outs)
