@@ -189,17 +189,42 @@ class SelectiveDecoderLayer(nn.Module):
         _check_input(x, self.hidden_dim, attention_mask)
         seeds = self._draw_seeds(x.device)
         if self.recompute == "full" and self._needs_graph(x):
-            # Seeds are arguments, so the re-run in backward regenerates the very same masks.
-            return checkpoint(self._block, x, attention_mask, seeds, False, use_reentrant=False,
+            # Seeds are arguments, so the re-run in backward regenerates the very same masks (and the
+            # forward's train/eval mode: a site runs dropout iff its seed was drawn, see _block).
+            block = self._block if torch.compiler.is_compiling() else self._block_checking_versions(x)
+            return checkpoint(block, x, attention_mask, seeds, False, use_reentrant=False,
                               preserve_rng_state=False)
         return self._block(x, attention_mask, seeds, self.recompute == "none")
+
+    def _block_checking_versions(self, x):
+        """_block, whose re-run in backward first checks that neither x nor a parameter was changed in
+        place since forward: the re-run would silently use the new values, where the stored modes get
+        autograd's saved-tensor version error. The same kind of error is raised here."""
+        kept = [("x", x, x._version)] + [(n, p, p._version) for n, p in self.named_parameters()]
+        runs = [0]
+
+        def block(*args):
+            if runs[0]:
+                for name, t, version in kept:
+                    if t._version != version:
+                        raise RuntimeError(
+                            f"one of the variables needed for gradient computation has been modified by an "
+                            f"inplace operation: {name} of {type(self).__name__} (recompute='full') is at "
+                            f"version {t._version}, expected version {version} as in forward. Modify "
+                            f"parameters only after backward (optimizer.step() after loss.backward()).")
+            runs[0] += 1
+            return self._block(*args)
+
+        return block
 
     def _needs_graph(self, x):
         """Whether this forward builds an autograd graph (else checkpointing would only keep x alive)."""
         return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
     def _block(self, x, attention_mask, seeds, store):
-        p_attn, p = self._dropout_rates()
+        # The forward's rates: a site's seed is drawn iff its rate was on (also for "full"'s re-run).
+        p_attn = self.attn_dropout if seeds[0] is not None else 0.0
+        p = self.dropout if seeds[1] is not None else 0.0
         qkv = fused.ln_linear(x, self.ln1.weight, self.ln1.bias, self.qkv.weight, self.qkv.bias, self.ln1.eps, store)
         o = _attend(qkv, self.num_heads, self.causal, p_attn, attention_mask, seeds[0], self.softmax_scale)
         a = F.linear(o, self.proj.weight, self.proj.bias)

@@ -164,3 +164,49 @@ def test_compile_dynamic_public_functions_with_dropout():
     outs, graphs = _compiles_once(fn, lambda s: (torch.randn(2, s, 16, requires_grad=True),))
     assert graphs == 1
     assert all(x.grad is not None and x.grad.shape == x.shape for (x,), _ in outs)
+
+
+# --- "full" recompute: in-place changes and mode switches between forward and backward ------------
+
+@pytest.mark.parametrize("mode", ["selective", "none", "full"])
+def test_in_place_parameter_change_after_forward_is_an_error_in_every_mode(mode):
+    torch.manual_seed(0)
+    layer = SelectiveDecoderLayer(16, 2, recompute=mode)
+    y = layer(torch.randn(2, 5, 16, requires_grad=True))
+    with torch.no_grad():
+        layer.fc1.weight.mul_(2)
+    match = "fc1.weight" if mode == "full" else "modified by an inplace operation"
+    with pytest.raises(RuntimeError, match=match):
+        y.sum().backward()
+
+
+def test_full_mode_in_place_input_change_is_an_error():
+    layer = SelectiveDecoderLayer(16, 2, recompute="full")
+    x = torch.randn(2, 5, 16)
+    w = layer.qkv.weight
+    y = layer(x)
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="x of SelectiveDecoderLayer .* modified|modified by an inplace"):
+        torch.autograd.grad(y.sum(), w)
+
+
+def test_full_mode_recomputes_in_the_forwards_train_mode():
+    torch.manual_seed(0)
+    layer = SelectiveDecoderLayer(16, 2, dropout=0.2, attn_dropout=0.2, recompute="full")
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    params = [x, *layer.parameters()]
+
+    def grads(mode, switch):
+        layer.recompute = mode
+        torch.manual_seed(1)
+        layer.train()
+        y = layer(x)
+        if switch:
+            layer.eval()
+        return y, torch.autograd.grad(y.pow(2).sum(), params)
+
+    y_sel, g_sel = grads("selective", False)
+    y_full, g_full = grads("full", True)
+    assert torch.equal(y_sel, y_full)
+    for a, b in zip(g_sel, g_full):
+        assert torch.equal(a, b)
