@@ -210,3 +210,74 @@ def test_full_mode_recomputes_in_the_forwards_train_mode():
     assert torch.equal(y_sel, y_full)
     for a, b in zip(g_sel, g_full):
         assert torch.equal(a, b)
+
+
+# --- errors that say what to do, and inputs eager PyTorch accepts ---------------------------------
+
+def test_layer_meta_input_names_the_device():
+    with pytest.raises(ValueError, match="device meta.*CPU and CUDA"):
+        SelectiveDecoderLayer(8, 2)(torch.randn(1, 2, 8, device="meta"))
+
+
+@pytest.mark.parametrize("module", ["layer", "attention"])
+def test_layer_dtype_mismatch_names_both_dtypes_and_autocast(module):
+    m = SelectiveDecoderLayer(8, 2) if module == "layer" else sc.layers.SelectiveAttention(8, 2)
+    with pytest.raises(TypeError, match="x has dtype torch.float16 .* are torch.float32.*autocast"):
+        m(torch.randn(1, 2, 8, dtype=torch.float16))
+
+
+def test_gelu_mlp_zero_width_input_names_x():
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., in\] with in >= 1"):
+        sc.gelu_mlp(torch.randn(2, 0), torch.randn(4, 0), None, torch.randn(8, 4), None)
+
+
+def test_attention_accepts_any_stride_on_a_size_one_head_dim(backend):
+    torch.manual_seed(0)
+    base = torch.randn(3, 1, 2, 7).requires_grad_(True)  # [B, D=1, H, S]
+    q = base.permute(0, 2, 3, 1)  # [B, H, S, 1] with last-dim stride 14
+    assert q.stride(-1) != 1
+    o = sc.attention(q, q, q, causal=True)
+    (g,) = torch.autograd.grad(o.pow(2).sum(), base)
+    qd = base.detach().double().requires_grad_(True)
+    qq = qd.permute(0, 2, 3, 1)
+    want = F.scaled_dot_product_attention(qq, qq, qq, is_causal=True)
+    torch.testing.assert_close(o.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g.double(), torch.autograd.grad(want.pow(2).sum(), qd)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["selective", "none", "full"])
+def test_layer_empty_batch_gives_empty_output_and_zero_gradients(mode, backend):
+    layer = SelectiveDecoderLayer(8, 2, dropout=0.1, attn_dropout=0.1, recompute=mode)
+    x = torch.randn(0, 5, 8, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (0, 5, 8)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p)), name
+
+
+def test_attention_empty_batch(backend):
+    q = torch.randn(0, 2, 5, 4, requires_grad=True)
+    o = sc.attention(q, q, q)
+    assert o.shape == (0, 2, 5, 4)
+    o.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_attention_output_allows_in_place_ops(backend):
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 5, 4, requires_grad=True)
+    o = sc.attention(q, q, q, causal=True)
+    o += 1  # was autograd's "view created inside a custom Function" error; eager outputs allow it
+    o.mul_(2)
+    qd = q.detach().double()
+    want = (F.scaled_dot_product_attention(qd, qd, qd, is_causal=True) + 1) * 2
+    torch.testing.assert_close(o.detach().double(), want, atol=1e-5, rtol=1e-5)
+    # backward needs o itself (as eager's fused SDPA does): the standard saved-tensor version error
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+    e = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    e += 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        e.sum().backward()
