@@ -197,7 +197,8 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H % Hkv == 0 (query head h reads kv head
     h // (H // Hkv); k and v are never expanded), one dtype (fp32, fp16, bf16), any strides with a
     contiguous last dim (any stride when D = 1); B = 0 or Sq = 0 give an empty output. `causal` lets
-    query i attend keys j <= i (top-left, like PyTorch's is_causal); `sliding_window=w` also requires j > i - w (Mistral's convention);
+    query i attend keys j <= i (top-left, like PyTorch's is_causal); `sliding_window=w` also requires
+    j > i - w (Mistral's convention);
     `key_padding_mask` [B, Sk] bool, True = attend; `cu_seqlens` int32 [n + 1] (0 ... S) packs n
     documents into one row (B = 1, Sq = Sk = S): queries attend only keys of their own document,
     causal and window measured inside it. Rows with nothing to attend give 0.
