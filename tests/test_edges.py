@@ -281,3 +281,33 @@ def test_attention_output_allows_in_place_ops(backend):
     e += 1
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         e.sum().backward()
+
+
+# --- dropout of NaN and inf: F.dropout's product semantics ------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_keeps_nan_and_inf_non_finite_like_f_dropout(dtype, backend):
+    p, rows, cols = 0.43, 16, 16
+    seed = 987654321
+    x = torch.full((rows, cols), math.nan, dtype=dtype)
+    x[::2] = math.inf
+    x[1::4] = -math.inf
+    x[:, -3:] = 2.0
+    x.requires_grad_(True)
+    keep = sc.rng.elementwise_keep_mask(seed, rows, cols, p)
+    m = keep.to(torch.float64) * sc.rng.keep_scale(p)
+    want = (x.detach().double() * m).to(dtype)  # F.dropout's rule: x times a {0, scale} mask
+    y = sc.dropout(x, p, seed=seed)
+    assert 0 < int(keep.sum()) < rows * cols
+    torch.testing.assert_close(y, want, equal_nan=True, atol=0, rtol=0)
+    assert y[:, :-3].isnan().sum() == (~keep[:, :-3]).sum() + x[:, :-3].isnan().logical_and(keep[:, :-3]).sum()
+    # gradients: a NaN upstream gradient stays NaN at dropped positions too
+    g = torch.full_like(y, math.nan)
+    (gx,) = torch.autograd.grad(y, x, g)
+    assert gx.isnan().all()
+
+
+def test_dropout_all_nan_input_gives_all_nan_as_f_dropout(backend):
+    x = torch.full((256,), math.nan)
+    assert F.dropout(x, 0.43).isnan().all()
+    assert sc.dropout(x, 0.43, seed=3).isnan().all()
