@@ -1,0 +1,163 @@
+// The backward passes of one ISA: delta, then dQ per query tile and dK/dV per key tile. A part of
+// attention_kernels.h, compiled inside the ISA's namespace: no #include here.
+
+// delta[b, h, i] = sum_d dO * O in Acc (O as stored, so it includes the dropout).
+template <class T>
+void delta_rows(const Problem& p, int64_t bh, float* delta) {
+  using Acc = typename Elem<T>::Acc;
+  const int64_t b = bh / p.H, h = bh % p.H;
+  const T* ob = static_cast<const T*>(p.o_in) + b * p.os[0] + h * p.os[1];
+  const T* db = static_cast<const T*>(p.dout) + bh * p.Sq * p.D;
+  for (int64_t i = 0; i < p.Sq; ++i) {
+    const T *orow = ob + i * p.os[2], *drow = db + i * p.D;
+    Acc s = 0;
+    for (int64_t d = 0; d < p.D; ++d) s = madd(Acc(Elem<T>::load(orow + d)), Acc(Elem<T>::load(drow + d)), s);
+    delta[bh * p.Sq + i] = float(s);
+  }
+}
+
+// dQ of one query tile of one head: dQ = scale * sum over key tiles of dS K. Like the forward,
+// S^T and dP^T are formed key-major from Q^T and dO^T, transposed once per tile.
+template <class T>
+void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename Elem<T>::Acc>& w) {
+  using Acc = typename Elem<T>::Acc;
+  const int64_t D = p.D, Dp = p.Dp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
+  const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
+  const Acc scale = Acc(p.scale);
+  Acc *Qt = w.a.data(), *dOt = w.b.data(), *Kn = w.c.data(), *Vn = w.d.data();
+  Acc *St = w.f.data(), *dPt = w.g.data(), *dQ = w.acc.data(), *keep = w.keep.data();
+  Acc *lse = w.m.data(), *delta = w.l.data();
+  int64_t *lo = w.lo.data(), *hi = w.hi.data();
+  uint8_t* padv = w.padv.data();
+
+  std::memset(static_cast<void*>(dQ), 0, size_t(M * Dp) * sizeof(Acc));
+  const bool any_row = query_cols(p, bh, i0, n, N, true, lo, hi, lse, delta);
+  int64_t klo = p.Sk, khi = 0;
+  for (int64_t c = 0; c < n; ++c)
+    if (lo[c] < hi[c]) klo = std::min(klo, lo[c]), khi = std::max(khi, hi[c]);
+  if (any_row) {
+    load_rows_t(static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + i0 * p.qs[2], p.qs[2], n, N, D, Qt);
+    load_rows_t(static_cast<const T*>(p.dout) + (bh * p.Sq + i0) * D, D, n, N, D, dOt);
+  }
+  const T* kb = static_cast<const T*>(p.k) + b * p.ks[0] + kvh * p.ks[1];
+  const T* vb = static_cast<const T*>(p.v) + b * p.vs[0] + kvh * p.vs[1];
+  for (int64_t j0 = any_row ? klo / BN * BN : khi; j0 < khi; j0 += BN) {
+    const int64_t nk = std::min(BN, p.Sk - j0), MK = round_up(nk, kMR);
+    if (!tile_attended(lo, hi, n, j0, j0 + nk)) continue;
+    load_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dp, Kn);
+    load_rows(vb + j0 * p.vs[2], p.vs[2], nk, MK, D, Dp, Vn);
+    pad_row(p, b, j0, nk, nk, padv);
+    gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
+    gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
+    if (p.t16) keep_cols(p, bh, i0, n, j0, nk, lo, hi, N, keep);
+    if (!p.t16 && tile_full(p, lo, hi, n, j0, j0 + nk)) {
+      for (int64_t r = 0; r < nk; ++r) {
+        Acc *s = St + r * N, *dp = dPt + r * N;
+        for (int64_t c = 0; c < N; ++c) dp[c] = exp_nan(s[c] * scale - lse[c]) * (dp[c] - delta[c]);
+      }
+    } else {
+      for (int64_t r = 0; r < nk; ++r) {
+        Acc *s = St + r * N, *dp = dPt + r * N;
+        const int64_t j = j0 + r;
+        const bool pj = padv[r] != 0;
+        const Acc* kr = keep + r * N;
+        for (int64_t c = 0; c < N; ++c) {
+          const bool on = pj & (j >= lo[c]) & (j < hi[c]);
+          const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
+          const Acc kf = p.t16 ? kr[c] : Acc(1);
+          dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
+        }
+      }
+    }
+    gemm<true>(dPt, N, Kn, Dp, M, Dp, nk, dQ, Dp, true);  // dQ += dS K, dS read from dS^T
+  }
+  T* out = static_cast<T*>(p.dq) + (bh * p.Sq + i0) * D;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t d = 0; d < D; ++d) Elem<T>::store(out + r * D + d, dQ[r * Dp + d] * scale);
+}
+
+// dK, dV of one key tile of one kv head, summed over the query heads of its group in order. K^T
+// and V^T are transposed once per task; the query tiles are read as rows.
+template <class T>
+void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename Elem<T>::Acc>& w) {
+  using Acc = typename Elem<T>::Acc;
+  const int64_t D = p.D, Dp = p.Dp, BM = p.BM;
+  const int64_t j0 = t * p.BN, nk = std::min(p.BN, p.Sk - j0), j1 = j0 + nk;
+  const int64_t MK = round_up(nk, kMR), NK = round_up(nk, 16);
+  const Acc scale = Acc(p.scale), inf = std::numeric_limits<Acc>::infinity();
+  Acc *Kt = w.a.data(), *Vt = w.b.data(), *Qn = w.c.data(), *dOn = w.d.data();
+  Acc *S = w.e.data(), *dP = w.f.data(), *keep = w.keep.data();
+  const int64_t tile = int64_t(w.acc.size() / 3);
+  Acc *dK = w.acc.data(), *dV = dK + tile;
+  int64_t *lo = w.lo.data(), *hi = w.hi.data();
+  uint8_t* padv = w.padv.data();
+
+  const T* kb = static_cast<const T*>(p.k) + b * p.ks[0] + kvh * p.ks[1] + j0 * p.ks[2];
+  const T* vb = static_cast<const T*>(p.v) + b * p.vs[0] + kvh * p.vs[1] + j0 * p.vs[2];
+  load_rows_t(kb, p.ks[2], nk, NK, D, Kt);
+  load_rows_t(vb, p.vs[2], nk, NK, D, Vt);
+  pad_row(p, b, j0, nk, NK, padv);
+  std::memset(static_cast<void*>(dK), 0, size_t(MK * Dp) * sizeof(Acc));
+  std::memset(static_cast<void*>(dV), 0, size_t(MK * Dp) * sizeof(Acc));
+  // Query rows attending a key in [j0, j1): hi(i) > j0 and lo(i) < j1, a contiguous range.
+  const int64_t ia = p.first_row([&](int64_t i) { return p.row_hi(i) > j0; });
+  const int64_t ib = p.first_row([&](int64_t i) { return p.row_lo(i) >= j1; });
+  for (int64_t g = 0; g < p.G; ++g) {
+    const int64_t h = kvh * p.G + g, bh = b * p.H + h;
+    const T* qb = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1];
+    const T* db = static_cast<const T*>(p.dout) + bh * p.Sq * D;
+    for (int64_t i0 = ia / BM * BM; i0 < ib; i0 += BM) {
+      const int64_t n = std::min(BM, p.Sq - i0), M = round_up(n, kMR);
+      bool any = false;
+      for (int64_t r = 0; r < n; ++r) {
+        p.row_range(i0 + r, lo[r], hi[r]);
+        if (p.lse_in[bh * p.Sq + i0 + r] == std::numeric_limits<float>::infinity()) hi[r] = lo[r];
+        any |= lo[r] < j1 && hi[r] > j0 && lo[r] < hi[r];
+      }
+      if (!any) continue;
+      load_rows(qb + i0 * p.qs[2], p.qs[2], n, M, D, Dp, Qn);
+      load_rows(db + i0 * D, D, n, M, D, Dp, dOn);
+      gemm(Qn, Dp, Kt, NK, M, NK, D, S, NK, false);    // S = Q K^T
+      gemm(dOn, Dp, Vt, NK, M, NK, D, dP, NK, false);  // dP = dO V^T
+      for (int64_t r = 0; r < n; ++r) {
+        Acc *s = S + r * NK, *dp = dP + r * NK;
+        const int64_t a = std::clamp(lo[r] - j0, int64_t(0), nk), e = std::clamp(hi[r] - j0, int64_t(0), nk);
+        const Acc lr = Acc(p.lse_in[bh * p.Sq + i0 + r]), dr = Acc(p.delta[bh * p.Sq + i0 + r]);
+        if (a >= e || lr == inf) {
+          std::memset(static_cast<void*>(s), 0, size_t(NK) * sizeof(Acc));
+          std::memset(static_cast<void*>(dp), 0, size_t(NK) * sizeof(Acc));
+          continue;
+        }
+        if (!p.t16 && p.pad == nullptr && a == 0 && e == nk) {  // the row attends the whole tile
+          for (int64_t c = 0; c < NK; ++c) {  // columns past nk feed only rows never stored
+            const Acc pr = exp_nan(s[c] * scale - lr);
+            dp[c] = pr * (dp[c] - dr);
+            s[c] = pr;
+          }
+          continue;
+        }
+        if (p.t16) {
+          keep_row(p, bh, i0 + r, j0, a, e, keep);
+          for (int64_t c = a; c < e; ++c) dp[c] *= keep[c];
+        }
+        for (int64_t c = 0; c < NK; ++c) {
+          const bool on = (c >= a) & (c < e) & (padv[c] != 0);
+          const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lr));
+          dp[c] = or_zero(on, pr * (dp[c] - dr));
+          s[c] = or_zero(on, pr);
+        }
+        if (p.t16)
+          for (int64_t c = a; c < e; ++c) s[c] *= keep[c];
+      }
+      gemm<true>(S, NK, dOn, Dp, MK, Dp, n, dV, Dp, true);  // dV += P~^T dO
+      gemm<true>(dP, NK, Qn, Dp, MK, Dp, n, dK, Dp, true);  // dK += dS^T Q
+    }
+  }
+  T* dkb = static_cast<T*>(p.dk) + ((b * p.Hkv + kvh) * p.Sk + j0) * D;
+  T* dvb = static_cast<T*>(p.dv) + ((b * p.Hkv + kvh) * p.Sk + j0) * D;
+  for (int64_t r = 0; r < nk; ++r)
+    for (int64_t d = 0; d < D; ++d) {
+      Elem<T>::store(dkb + r * D + d, dK[r * Dp + d] * scale);
+      Elem<T>::store(dvb + r * D + d, dV[r * Dp + d]);
+    }
+}

@@ -1,0 +1,115 @@
+// What each tile attends, for one ISA: masking by bit blending, the padding row, the dropout keep
+// factors (one Philox call per 8 keys) and the block-skipping tests. A part of attention_kernels.h,
+// compiled inside the ISA's namespace: no #include here.
+
+// exp that keeps NaN (fast_expf clamps it like a large number): a NaN score must poison its row.
+inline float exp_nan(float x) {
+  const float e = fast_expf(x);
+  uint32_t xb, eb;
+  std::memcpy(&xb, &x, 4);
+  std::memcpy(&eb, &e, 4);
+  const uint32_t nan = 0u - uint32_t((xb & 0x7fffffffu) > 0x7f800000u);
+  eb = (eb & ~nan) | (xb & nan);
+  float r;
+  std::memcpy(&r, &eb, 4);
+  return r;
+}
+inline double exp_nan(double x) { return std::exp(x); }
+
+// v if on, else -inf, by bit blending (vectorises without float compares).
+inline float or_neg_inf(bool on, float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  const uint32_t mask = 0u - uint32_t(on);
+  b = (b & mask) | (0xff800000u & ~mask);
+  float r;
+  std::memcpy(&r, &b, 4);
+  return r;
+}
+inline double or_neg_inf(bool on, double v) { return on ? v : -std::numeric_limits<double>::infinity(); }
+
+// v if on, else +0 (also when v is NaN: a masked entry contributes nothing).
+inline float or_zero(bool on, float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  b &= 0u - uint32_t(on);
+  float r;
+  std::memcpy(&r, &b, 4);
+  return r;
+}
+inline double or_zero(bool on, double v) { return on ? v : 0.0; }
+
+// padv[c] = key j0 + c may be attended under the padding mask (c < nk), 0 past nk up to ncols.
+inline void pad_row(const Problem& p, int64_t b, int64_t j0, int64_t nk, int64_t ncols, uint8_t* padv) {
+  for (int64_t c = 0; c < nk; ++c) padv[c] = p.pad ? uint8_t(p.pad[b * p.Sk + j0 + c] != 0) : uint8_t(1);
+  for (int64_t c = nk; c < ncols; ++c) padv[c] = 0;
+}
+
+// keep[c] = keep_scale if P[b, h, i, j0 + c] survives dropout else 0, for c in [a, e).
+template <class Acc>
+inline void keep_row(const Problem& p, int64_t bh, int64_t i, int64_t j0, int64_t a, int64_t e, Acc* keep) {
+  const Acc ks = Acc(p.keep_scale);
+  for (int64_t g = (j0 + a) >> 3; g <= (j0 + e - 1) >> 3; ++g) {
+    const uint32_t bits = attention_keep_bits8(p.key, uint64_t(g), uint64_t(i), uint64_t(bh), p.t16);
+    for (int t = 0; t < 8; ++t) {
+      const int64_t c = g * 8 + t - j0;
+      if (c >= a && c < e) keep[c] = ((bits >> t) & 1u) ? ks : Acc(0);
+    }
+  }
+}
+
+// keep[r * ld + c] = keep_scale if P[b, h, i0 + c, j0 + r] survives dropout else 0, for the keys
+// r in [a_c, e_c) each query column c < n attends (one Philox call per 8 keys).
+template <class Acc>
+inline void keep_cols(const Problem& p, int64_t bh, int64_t i0, int64_t n, int64_t j0, int64_t nk,
+                      const int64_t* lo, const int64_t* hi, int64_t ld, Acc* keep) {
+  const Acc ks = Acc(p.keep_scale);
+  for (int64_t c = 0; c < n; ++c) {
+    const int64_t a = std::clamp(lo[c] - j0, int64_t(0), nk), e = std::clamp(hi[c] - j0, int64_t(0), nk);
+    for (int64_t grp = (j0 + a) >> 3; a < e && grp <= (j0 + e - 1) >> 3; ++grp) {
+      const uint32_t bits = attention_keep_bits8(p.key, uint64_t(grp), uint64_t(i0 + c), uint64_t(bh), p.t16);
+      for (int t = 0; t < 8; ++t) {
+        const int64_t r = grp * 8 + t - j0;
+        if (r >= a && r < e) keep[r * ld + c] = ((bits >> t) & 1u) ? ks : Acc(0);
+      }
+    }
+  }
+}
+
+// Query rows i0 .. i0 + n: ranges, lse, delta per column c (columns n..N attend nothing).
+template <class Acc>
+inline bool query_cols(const Problem& p, int64_t bh, int64_t i0, int64_t n, int64_t N, bool with_lse, int64_t* lo,
+                       int64_t* hi, Acc* lse, Acc* delta) {
+  bool any = false;
+  for (int64_t c = 0; c < N; ++c) {
+    if (c < n) {
+      p.row_range(i0 + c, lo[c], hi[c]);
+      if (with_lse) {
+        lse[c] = Acc(p.lse_in[bh * p.Sq + i0 + c]);
+        delta[c] = Acc(p.delta[bh * p.Sq + i0 + c]);
+        if (lse[c] == std::numeric_limits<Acc>::infinity()) hi[c] = lo[c];  // an empty row: zero gradient
+      }
+    } else {
+      lo[c] = hi[c] = 0;
+      if (with_lse) lse[c] = delta[c] = Acc(0);
+    }
+    any |= lo[c] < hi[c];
+  }
+  return any;
+}
+
+// Does every query column c < n attend every key in [j0, j1) (no padding mask)? Then the tile
+// needs no masking: columns past n hold garbage that is never stored.
+inline bool tile_full(const Problem& p, const int64_t* lo, const int64_t* hi, int64_t n, int64_t j0, int64_t j1) {
+  if (p.pad != nullptr) return false;
+  bool full = true;
+  for (int64_t c = 0; c < n; ++c) full &= lo[c] <= j0 && hi[c] >= j1;
+  return full;
+}
+
+// Does any of the query columns attend a key in [j0, j1)?
+inline bool tile_attended(const int64_t* lo, const int64_t* hi, int64_t n, int64_t j0, int64_t j1) {
+  bool any = false;
+  for (int64_t c = 0; c < n; ++c) any |= lo[c] < j1 && hi[c] > j0 && lo[c] < hi[c];
+  return any;
+}
