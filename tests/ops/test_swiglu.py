@@ -168,7 +168,8 @@ def test_gated_product_building_block_keeps_gate_and_up(backend):
     for activation in ("silu", "gelu_tanh"):
         gate, up = (t.to(torch.bfloat16).requires_grad_(True) for t in (g64, u64))
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, kept=saved: kept.append(t) or t,
+                                                      lambda t: t):
             a = gated_product(gate, up, activation)
         assert len(saved) == 2 and saved[0] is gate and saved[1] is up
         dy = torch.randn(4, 37).to(torch.bfloat16)
