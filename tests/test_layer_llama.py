@@ -261,3 +261,17 @@ def test_gqa_kept_bytes_are_the_llama_floor():
     assert memory.ledger(layer, x).total == floor
     assert memory.estimate(h, H, S, B, torch.bfloat16, num_kv_heads=2, ffn_dim=int(3.5 * h), norm="rmsnorm",
                            activation="swiglu") == floor
+
+
+def test_torch_compile_fullgraph_matches_eager(use_backend):
+    use_backend("cpp")  # the interpreter cannot be traced; CPU compile goes through the C++ ops
+    layer = _build(32, 2, torch.float32, bias=True)
+    x, dy = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
+    pos = torch.arange(2, 9)[None]
+    eager = torch.autograd.grad(layer(x.requires_grad_(True), position_ids=pos), [x, *layer.parameters()], dy)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    got = torch.autograd.grad(compiled(x2, position_ids=pos), [x2, *layer.parameters()], dy)
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
