@@ -170,7 +170,7 @@ def gated_mlp_backward(dy, x, gate, up, a_or_None, w_gate, b_gate, w_up, b_up, w
     needs_input_grad: seven bools in that order; a gradient not needed (or of a None bias) is None.
     Order keeps peak memory under eager's: the dropout mask is regenerated into dz, the product is
     rebuilt only for dw_down and freed, then dL/da = dz @ w_down becomes dgate in place while the
-    same pass writes dup.
+    same pass writes dup, whose gradients are taken and which is freed before dgate's.
     """
     nx, nwg, nbg, nwu, nbu, nwd, nbd = needs_input_grad
     ffn, out = w_gate.shape[0], w_down.shape[0]
@@ -191,12 +191,15 @@ def gated_mlp_backward(dy, x, gate, up, a_or_None, w_gate, b_gate, w_up, b_up, w
         del dz
         dup = gated_product_backward_op(dgate, g2, u2, activation)
         x2 = x.reshape(-1, x.shape[-1])
-        dbg = dgate.sum(0) if nbg and b_gate is not None else None
+        # dup's contributions first, then it is freed before dgate's weight gradient is allocated.
         dbu = dup.sum(0) if nbu and b_up is not None else None
-        dwg = dgate.t() @ x2 if nwg else None
         dwu = dup.t() @ x2 if nwu else None
+        dx_up = dup @ w_up if nx else None
+        del dup
+        dbg = dgate.sum(0) if nbg and b_gate is not None else None
+        dwg = dgate.t() @ x2 if nwg else None
         if nx:
-            dx = torch.addmm(dgate @ w_gate, dup, w_up).reshape(x.shape)
+            dx = torch.addmm(dx_up, dgate, w_gate).reshape(x.shape)
     return dx, dwg, dbg, dwu, dbu, dw_down, db_down
 
 
