@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from .. import backend
+from ..double_backward import first_order_only
 from ..validation import check_floating
 
 
@@ -89,6 +90,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, mean, rstd)
 
 
+@first_order_only("selective_ckpt.layer_norm")
 def _backward(ctx, gy, gmean, grstd):
     x, weight, mean, rstd = ctx.saved_tensors
     dx, dw, db = layer_norm_bwd(gy.contiguous(), x, mean, rstd, weight)

@@ -11,6 +11,7 @@ Mistral, Qwen) is `w * (x * rstd).to(dtype)`; offset 1 (Gemma) is `(x * rstd * (
 import torch
 
 from .. import backend
+from ..double_backward import first_order_only
 from ..validation import check_floating
 from .layer_norm import stat_dtype
 
@@ -78,6 +79,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, rstd)
 
 
+@first_order_only("selective_ckpt.rms_norm")
 def _backward(ctx, gy, grstd):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = rms_norm_bwd(gy.contiguous(), x, rstd, weight, ctx.offset)

@@ -16,6 +16,7 @@ autograd building block that keeps gate and up only.
 import torch
 
 from .. import backend, rng
+from ..double_backward import first_order_only
 from ..validation import check_floating
 from .dropout import dropout_op
 
@@ -87,6 +88,7 @@ class _GatedProduct(torch.autograd.Function):
         return gated_product_op(gate, up, activation)
 
     @staticmethod
+    @first_order_only("selective_ckpt.ops.swiglu.gated_product")
     def backward(ctx, da):
         gate, up = ctx.saved_tensors
         dgate = da.clone(memory_format=torch.contiguous_format)  # autograd's da is not ours to overwrite
@@ -216,6 +218,7 @@ class _GatedMLP(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only("selective_ckpt.swiglu_mlp")
     def backward(ctx, dy):
         x, gate, up, a, w_gate, b_gate, w_up, b_up, w_down, b_down, seed = ctx.saved_tensors
         n = ctx.needs_input_grad
