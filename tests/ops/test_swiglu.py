@@ -222,3 +222,10 @@ def test_step_peak_is_below_eager():
             del y
         peaks[name] = tracker.peak
     assert peaks["ours"] < peaks["eager"], peaks
+
+
+def test_double_backward_is_a_clear_error():
+    _, low = make_inputs((3,), 8, 12, 8, torch.float32, bias=False)
+    (gx,) = torch.autograd.grad(ours(low, 0.0, "silu", 1).pow(2).sum(), low["x"], create_graph=True)
+    with pytest.raises(RuntimeError, match="selective_ckpt.swiglu_mlp does not support double backward"):
+        gx.sum().backward()
