@@ -165,7 +165,7 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             keep = attention_keep_tile(k0, k1, r0, start, bh, t16, BLOCK_M, BLOCK_N, False)
-            p = tl.where(keep, p * keep_scale, 0.0)
+            p = tl.where(keep, p, 0.0)  # keep_scale is applied once, to the output
         vb = _load_rows(v_base, cols, svn, Sk, dims, D, CHECK, EVEN_D)
         acc = acc * alpha[:, None] + _dot(to_storage(p, vb.dtype), vb, IEEE)
         m_i = m_new
@@ -194,7 +194,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, 
     q = _load_rows(Q + b * sqb + h * sqh, rows, sqm, Sq, dims, D, not EVEN_M, EVEN_D)
     k_base = K + b * skb + kvh * skh
     v_base = V + b * svb + kvh * svh
-    pad_base = PAD
+    pad_base = 0  # PAD is None (a constexpr) without padding
     if HAS_PAD:
         pad_base = PAD + b * Sk
     k0 = 0
@@ -223,7 +223,10 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, 
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
                                     DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
     empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    inv = 1.0 / tl.where(empty, 1.0, l_i)
+    if DROPOUT:
+        inv = inv * keep_scale
+    o = acc * inv[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     _store_rows(OUT + b * sob + h * soh, rows, som, Sq, dims, o, D, not EVEN_M, EVEN_D)
     lse_ptr = LSE + bh.to(tl.int64) * Sq + rows
@@ -429,7 +432,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
         delta = tl.load(DELTA + stat, mask=rows < Sq, other=0.0)
     k_base = K + b * skb + kvh * skh
     v_base = V + b * svb + kvh * svh
-    pad_base = PAD
+    pad_base = 0  # PAD is None (a constexpr) without padding
     if HAS_PAD:
         pad_base = PAD + b * Sk
     k0 = 0
@@ -467,11 +470,14 @@ INTERPRETER_BLOCKS = (16, 16)
 
 
 def _tiles(kernel, block_d, wide, causal, dropout):
+    # Measured (tests/gpu_compile_check.py): dropout's Philox and mask expansion add ~40 registers
+    # per thread, so the dropout variants take more warps or shorter query blocks where the plain
+    # tile would spill; causal ones are the tightest (three block loops in one kernel).
     if kernel == "fwd":
         if wide:
             return (64, 32, 4, 2) if block_d <= 64 else (64, 32, 8, 2)
         if block_d <= 64:
-            return (128, 64, 4, 3)
+            return (128, 64, 8 if dropout else 4, 3)
         return (128, 64, 8, 3) if block_d <= 128 else (64, 32, 8, 2)
     if kernel == "dq":
         if wide:
@@ -483,8 +489,10 @@ def _tiles(kernel, block_d, wide, causal, dropout):
     if wide:
         return (32, 64, 4, 2) if block_d <= 64 else (32, 32, 4, 2)
     if block_d <= 64:
-        return (64, 128, 8, 3)
-    return (32, 128, 8, 2) if block_d <= 128 else (32, 64, 8, 2)
+        return (32, 128, 8, 3) if dropout else (64, 128, 8, 3)
+    if block_d <= 128:
+        return (16, 128, 8, 2) if dropout else (32, 128, 8, 2)
+    return (16, 64, 8, 2) if dropout else (32, 64, 8, 2)
 
 
 def config(kernel, D, dtype, causal=False, dropout=False):
@@ -545,21 +553,40 @@ def delta(o, do, out):
 def backward(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale,
              dq, dk, dv):
     """dq, dk, dv: outputs shaped like q, k, v (any strides with the last dim contiguous)."""
-    B, H, Hkv, Sq, Sk, pad, n_docs, doc_bits, window, seed = _common(q, k, key_padding_mask, cu_seqlens, window,
-                                                                    seed, t16)
+    B, H, Sq = q.shape[:3]
     if B * H == 0:
         return
-    if Sq == 0 or Sk == 0:  # nothing attends: zero gradients
+    if Sq == 0 or k.shape[2] == 0:  # nothing attends: zero gradients
         for t in (dq, dk, dv):
             t.zero_()
         return
     dl = delta(o, do, torch.empty(B, H, Sq, dtype=torch.float32, device=q.device))
+    args = (do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale)
+    backward_dkdv(*args, dk, dv)
+    backward_dq(*args, dq)
+
+
+def _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale, kernel):
+    B, H, Hkv, Sq, Sk, pad, n_docs, doc_bits, window, seed = _common(q, k, key_padding_mask, cu_seqlens, window,
+                                                                    seed, t16)
     tail = (H, H // Hkv, Sq, Sk, window, n_docs, doc_bits, scale, scale * LOG2E, t16, float(keep_scale))
-    f = _flags(q, Sq, Sk, causal, window, pad, cu_seqlens, t16, "dkdv")
+    return B, H, Hkv, Sq, Sk, pad, seed, tail, _flags(q, Sq, Sk, causal, window, pad, cu_seqlens, t16, kernel)
+
+
+def backward_dkdv(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale,
+                  dk, dv):
+    """dK, dV (reduced over each kv head's query group) given delta dl [B, H, Sq] fp32."""
+    B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale,
+                                                      seed, t16, keep_scale, "dkdv")
     _bwd_dkdv_kernel[(triton.cdiv(Sk, f["BLOCK_N"]) * B * Hkv,)](
         q, k, v, do, lse, dl, dk, dv, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dk),
         *_s3(dv), *tail, **f)
-    f = _flags(q, Sq, Sk, causal, window, pad, cu_seqlens, t16, "dq")
+
+
+def backward_dq(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale,
+                dq):
+    """dQ given delta dl [B, H, Sq] fp32."""
+    B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale,
+                                                      seed, t16, keep_scale, "dq")
     _bwd_dq_kernel[(triton.cdiv(Sq, f["BLOCK_M"]) * B * H,)](
-        q, k, v, do, lse, dl, dq, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dq),
-        *tail, **f)
+        q, k, v, do, lse, dl, dq, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dq), *tail, **f)

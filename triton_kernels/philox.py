@@ -49,8 +49,9 @@ def load_key(SEED):
 
 @triton.jit
 def _flags(w, t16):
-    """Keep flags (int8) of the low and high 16-bit halves of one Philox word, joined on a new last axis."""
-    return tl.join((w & 0xFFFF) >= t16, (w >> 16) >= t16).to(tl.int8)
+    """Keep flags (int32: as int8 the joins cost byte packing) of a Philox word's low and high 16-bit halves,
+    joined on a new last axis."""
+    return tl.join((w & 0xFFFF) >= t16, (w >> 16) >= t16).to(tl.int32)
 
 
 @triton.jit
