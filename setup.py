@@ -50,7 +50,7 @@ class NinjaBuildExt(build_ext):
         cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX").split()[0] or "c++"
         includes = [sysconfig.get_paths()["include"], pybind11.get_include(), str(CSRC)]
         cflags = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wall"]
-        # Only bindings.cpp sees the hash, so editing one kernel recompiles that kernel alone.
+        # Only module.cpp sees the hash, so editing one kernel recompiles that kernel alone.
         hash_flag = f'-DSCKPT_SOURCE_HASH=\\"{_load_source_hash()(CSRC)}\\"'
         cflags += [f"-I{d}" for d in includes]
         ldflags = ["-shared", "-fopenmp"]
@@ -74,7 +74,7 @@ class NinjaBuildExt(build_ext):
             obj = build_dir / (src.stem + ".o")
             objects.append(obj)
             lines.append(f"build {obj}: cxx {src}")
-            if src.name == "bindings.cpp":
+            if src.name == "module.cpp":
                 lines.append(f"  extra = {hash_flag}")
         lines.append(f"build {staged}: link {' '.join(map(str, objects))}")
         (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import selective_ckpt  # noqa: E402
 from selective_ckpt import memory  # noqa: E402
+from selective_ckpt.bench import sync  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -47,11 +48,6 @@ def sdpa(q, k, v, causal, p):
 
 
 IMPLS = {"selective_ckpt": ours, "eager": eager, "sdpa": sdpa}
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def make_inputs(args, device):

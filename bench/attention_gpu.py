@@ -46,9 +46,10 @@ def matmul_tflops(do_bench):
 
 def ours(S, D, causal, p, do_bench):
     """{kernel: ms} for the four Triton kernels at one point, and the point's peak memory."""
-    from selective_ckpt import rng
     from selective_ckpt.triton_kernels import attention as tk
     from selective_ckpt.triton_kernels.philox import seed_tensor
+
+    from selective_ckpt import rng
 
     B, H = 16384 // S, 2048 // D
     qkv = torch.randn(B, S, 3, H, D, device="cuda", dtype=torch.bfloat16)
@@ -142,11 +143,10 @@ def main(argv=None):
         B, H = 16384 // S, 2048 // D
         flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
         base = dict(seq=S, dim=D, heads=H, batch=B, causal=causal, dropout=p)
-        impls = [("triton", lambda: ours(S, D, causal, p, bench))]
-        impls += [(f"sdpa_{b}", lambda b=b: sdpa(S, D, causal, p, b, bench)) for b in ("flash", "cudnn")]
-        for impl, run in impls:
+        impls = [("triton", ours, ()), ("sdpa_flash", sdpa, ("flash",)), ("sdpa_cudnn", sdpa, ("cudnn",))]
+        for impl, fn, extra in impls:
             try:
-                times, mem = run()
+                times, mem = fn(S, D, causal, p, *extra, bench)
             except Exception as e:  # a pinned SDPA backend may not take this point (e.g. dropout)
                 print(f"{impl} S={S} D={D} causal={causal} p={p}: n/a ({type(e).__name__}: {str(e)[:120]})")
                 failed += impl == "triton"

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from selective_ckpt import gelu_mlp, memory
+from selective_ckpt.bench import sync
 
 
 def make_eager(d_in, hidden, p, approximate, dtype, device):
@@ -41,11 +42,6 @@ def step_fn(kind, model, x, dy, p, approximate):
         y.backward(dy)
 
     return step
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def time_steps(steps, device, repeats, warmup=2):

@@ -12,7 +12,7 @@
 #include <limits>
 #include <vector>
 
-#include "bindings.h"
+#include "registry.h"
 #include "dtypes.h"
 #include "fastmath.h"
 #include "philox.h"
@@ -30,7 +30,7 @@ struct Rows {
   double scale;
   bool causal;
   const uint8_t* pad;  // key_padding_mask row of this batch element (1 = attend) or null
-  uint64_t seed;
+  PhiloxKey key;
   uint32_t t16;
   double keep_scale;
 
@@ -38,7 +38,7 @@ struct Rows {
   int64_t limit(int64_t qi) const { return causal ? std::min(kc, qi + 1) : kc; }
 };
 
-// keep[j] = 1 if P[., ., qi, j] survives dropout (the attention stream of DESIGN.md), j < lim.
+// keep[j] = 1 if P[., ., qi, j] survives dropout (the attention stream of docs/DESIGN.md), j < lim.
 inline void keep_row(const Rows& g, const PhiloxKey& key, int64_t qi, int64_t head, int64_t lim, uint8_t* keep) {
   const int64_t groups = (lim + 7) / 8;
   for (int64_t grp = 0; grp < groups; ++grp) {
@@ -75,13 +75,14 @@ bool use_avx2() {
 }
 
 Rows make_rows(int64_t nh, int64_t M, int64_t kc, int64_t row0, int64_t head0, int64_t lse_hs, double scale,
-               bool causal, uintptr_t pad, uint64_t seed, uint32_t t16, double keep_scale) {
-  return Rows{nh, M, kc, row0, head0, lse_hs, scale, causal, as_ptr<const uint8_t>(pad), seed, t16, keep_scale};
+               bool causal, uintptr_t pad, uintptr_t seed, uint32_t t16, double keep_scale) {
+  return Rows{nh, M, kc, row0, head0, lse_hs, scale, causal, as_ptr<const uint8_t>(pad), PhiloxKey::from_tensor(seed),
+              t16, keep_scale};
 }
 
 void attention_softmax_fwd(int dtype, uintptr_t s, uintptr_t lse, int64_t nh, int64_t M, int64_t kc,
                            int64_t row0, int64_t head0, int64_t lse_hs, double scale, bool causal,
-                           uintptr_t pad, uint64_t seed, uint32_t t16, double keep_scale) {
+                           uintptr_t pad, uintptr_t seed, uint32_t t16, double keep_scale) {
   const Rows g = make_rows(nh, M, kc, row0, head0, lse_hs, scale, causal, pad, seed, t16, keep_scale);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -94,7 +95,7 @@ void attention_softmax_fwd(int dtype, uintptr_t s, uintptr_t lse, int64_t nh, in
 
 void attention_softmax_bwd(int dtype, uintptr_t s, uintptr_t dp, uintptr_t lse, int64_t nh, int64_t M,
                            int64_t kc, int64_t row0, int64_t head0, int64_t lse_hs, double scale, bool causal,
-                           uintptr_t pad, uint64_t seed, uint32_t t16, double keep_scale) {
+                           uintptr_t pad, uintptr_t seed, uint32_t t16, double keep_scale) {
   const Rows g = make_rows(nh, M, kc, row0, head0, lse_hs, scale, causal, pad, seed, t16, keep_scale);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -104,8 +105,6 @@ void attention_softmax_bwd(int dtype, uintptr_t s, uintptr_t dp, uintptr_t lse, 
     generic::softmax_bwd_rows<T>(as_ptr<T>(s), as_ptr<T>(dp), as_ptr<const float>(lse), g);
   });
 }
-
-}  // namespace
 
 void register_attention(py::module_& m) {
   m.def("attention_softmax_fwd", &attention_softmax_fwd, py::arg("dtype"), py::arg("s"), py::arg("lse"),
@@ -118,6 +117,9 @@ void register_attention(py::module_& m) {
         py::arg("keep_scale"), py::call_guard<py::gil_scoped_release>());
 }
 
+SCKPT_REGISTER(register_attention);
+
+}  // namespace
 }  // namespace sckpt
 
 #else  // SCKPT_ATTENTION_ROW_KERNELS: the row kernels, included twice above
@@ -182,7 +184,7 @@ template <class T>
 void softmax_fwd_rows(T* s, float* lse, const Rows& g) {
   using Acc = typename Elem<T>::Acc;
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
-  const PhiloxKey key(g.seed);
+  const PhiloxKey& key = g.key;
   const int64_t total = g.nh * g.M;
 #pragma omp parallel if (total * g.kc > 32768)
   {
@@ -227,7 +229,7 @@ void softmax_fwd_rows(T* s, float* lse, const Rows& g) {
 template <class T>
 void softmax_bwd_rows(T* s, T* dp, const float* lse, const Rows& g) {
   using Acc = typename Elem<T>::Acc;
-  const PhiloxKey key(g.seed);
+  const PhiloxKey& key = g.key;
   const int64_t total = g.nh * g.M;
 #pragma omp parallel if (total * g.kc > 32768)
   {

@@ -1,5 +1,5 @@
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11) and the
-// dropout-mask contract of DESIGN.md. This header is the only C++ code that computes Philox.
+// dropout-mask contract of docs/DESIGN.md. This header is the only C++ code that computes Philox.
 #pragma once
 #include <cstdint>
 
@@ -30,6 +30,12 @@ inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
 struct PhiloxKey {
   uint32_t k0, k1;
   explicit PhiloxKey(uint64_t seed) : k0(uint32_t(seed)), k1(uint32_t(seed >> 32)) {}
+  // From a seed tensor: int32 [2] holding the low and high words (selective_ckpt.rng.seed_arg).
+  // A null pointer (dropout off) gives key 0 and is never read.
+  static PhiloxKey from_tensor(uintptr_t seed) {
+    const int32_t* words = reinterpret_cast<const int32_t*>(seed);
+    return PhiloxKey(words ? (uint64_t(uint32_t(words[0])) | (uint64_t(uint32_t(words[1])) << 32)) : 0);
+  }
 };
 
 // One Philox call covers 8 consecutive columns: u[t] = (w[t & 3] >> (16 * (t >> 2))) & 0xffff.

@@ -5,12 +5,13 @@ masks, GELU and LayerNorm outputs are recomputed inside the backward kernels.
 """
 
 from . import memory, rng
-from .attention import attention
-from .convert import convert
 from .layers import SelectiveAttention, SelectiveDecoderLayer, SelectiveMLP, set_recompute
-from .mlp import gelu_mlp
-from .ops import dropout
+from .models import ConversionError, convert
+from .ops.attention import attention
+from .ops.dropout import dropout
+from .ops.gelu import gelu_mlp
+from .ops.layer_norm import layer_norm
 
-__all__ = ["SelectiveAttention", "SelectiveDecoderLayer", "SelectiveMLP", "attention", "convert", "dropout", "gelu_mlp",
-           "memory", "rng", "set_recompute"]
+__all__ = ["ConversionError", "SelectiveAttention", "SelectiveDecoderLayer", "SelectiveMLP", "attention", "convert",
+           "dropout", "gelu_mlp", "layer_norm", "memory", "rng", "set_recompute"]
 __version__ = "0.1.0"

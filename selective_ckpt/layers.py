@@ -1,6 +1,6 @@
 """SelectiveAttention, SelectiveMLP and the pre-LN SelectiveDecoderLayer, with recompute modes.
 
-Per token and hidden unit, in elements, a layer keeps for backward (DESIGN.md's contract):
+Per token and hidden unit, in elements, a layer keeps for backward (docs/DESIGN.md's contract):
 
 - "selective": x (LN1 input) 1, the qkv output 3 (q, k, v are views of it), the attention output
   o 1 (proj reads it in place), x1 (LN2 input) 1, the fc1 output mlp_ratio: 10 with mlp_ratio 4,
@@ -18,51 +18,28 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import norm, ops, rng
+from . import fused, rng
+from .ops.attention import attention_fwd_op
+from .ops.dropout import dropout_op
+from .ops.gelu import gelu_mlp
+from .validation import (
+    RECOMPUTE_MODES,
+    SUPPORTED_DTYPES,
+    check_bool,
+    check_heads,
+    check_mode,
+    check_positive_float,
+    check_positive_int,
+    ffn_dim,
+)
 
-RECOMPUTE_MODES = ("selective", "none", "full")
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}  # activation -> GELU `approximate`
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def check_positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def check_heads(hidden_dim, num_heads):
-    from .attention import MAX_HEAD_DIM
-
-    check_positive_int(hidden_dim, "hidden_dim")
-    check_positive_int(num_heads, "num_heads")
-    if hidden_dim % num_heads:
-        raise ValueError(f"hidden_dim ({hidden_dim}) must be divisible by num_heads ({num_heads})")
-    head_dim = hidden_dim // num_heads
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head dim hidden_dim / num_heads = {head_dim} is not supported: at most {MAX_HEAD_DIM}")
-    return head_dim
 
 
 def _check_activation(activation):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
     return ACTIVATIONS[activation]
-
-
-def check_mode(mode):
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {mode!r}")
-    return mode
-
-
-def ffn_dim(hidden_dim, mlp_ratio):
-    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not mlp_ratio > 0:
-        raise ValueError(f"mlp_ratio must be a positive number, got {mlp_ratio!r}")
-    ffn = int(round(hidden_dim * mlp_ratio))
-    if ffn < 1:
-        raise ValueError(f"mlp_ratio={mlp_ratio} gives an empty MLP for hidden_dim={hidden_dim}")
-    return ffn
 
 
 def _check_input(x, hidden_dim, attention_mask):
@@ -78,18 +55,22 @@ def _check_input(x, hidden_dim, attention_mask):
         if attention_mask.shape != x.shape[:2]:
             raise ValueError(f"attention_mask must have shape {list(x.shape[:2])} ([B, S]), "
                              f"got {list(attention_mask.shape)}")
+        if attention_mask.device != x.device:
+            raise ValueError(f"attention_mask must be on x's device {x.device}, got {attention_mask.device}")
+    if x.shape[0] < 1 or x.shape[1] < 1:
+        raise ValueError(f"x must have at least one batch element and one position, got shape {list(x.shape)}")
 
 
 def _attend(qkv, num_heads, causal, dropout_p, attention_mask, seed, softmax_scale):
     """Attention over the packed qkv output [B, S, 3*hidden]; returns [B, S, hidden] without copies."""
-    from .attention import attention
-
     B, S, three_hidden = qkv.shape
     hidden = three_hidden // 3
     # [B, S, 3, H, D] -> three [B, H, S, D] views with a contiguous last dim.
     q, k, v = qkv.view(B, S, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4).unbind(0)
-    o = attention(q, k, v, causal=causal, dropout_p=dropout_p, softmax_scale=softmax_scale,
-                  key_padding_mask=attention_mask, seed=seed if dropout_p > 0 else None)
+    scale = softmax_scale if softmax_scale is not None else (hidden // num_heads) ** -0.5
+    # The layer built q, k, v and drew the seed itself: the op is called without re-checking them.
+    o, _ = attention_fwd_op(q, k, v, attention_mask, None, causal, 0, float(dropout_p), float(scale),
+                            seed if dropout_p > 0 else None)
     return o.transpose(1, 2).reshape(B, S, hidden)  # o is a view of a [B, S, H, D] buffer
 
 
@@ -109,8 +90,7 @@ class SelectiveAttention(nn.Module):
         check_heads(hidden_dim, num_heads)
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        check_bool(causal, "causal")
         factory = {"device": device, "dtype": dtype}
         self.hidden_dim, self.num_heads, self.causal = hidden_dim, num_heads, causal
         self.dropout, self.attn_dropout, self.softmax_scale = float(dropout), float(attn_dropout), softmax_scale
@@ -125,7 +105,7 @@ class SelectiveAttention(nn.Module):
         o = _attend(qkv, self.num_heads, self.causal, p_attn, attention_mask, _draw(p_attn, x.device),
                     self.softmax_scale)
         out = F.linear(o, self.proj.weight, self.proj.bias)
-        return ops.dropout(out, p, _draw(p, x.device)) if p > 0 else out
+        return dropout_op(out, p, _draw(p, x.device)) if p > 0 else out
 
 
 class SelectiveMLP(nn.Module):
@@ -144,8 +124,6 @@ class SelectiveMLP(nn.Module):
         self.fc2 = nn.Linear(ffn, hidden_dim, bias=bias, **factory)
 
     def forward(self, x):
-        from .mlp import gelu_mlp
-
         p = self.dropout if self.training else 0.0
         return gelu_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, dropout_p=p,
                         approximate=self.approximate, seed=_draw(p, x.device) if p > 0 else None)
@@ -169,10 +147,8 @@ class SelectiveDecoderLayer(nn.Module):
         self.approximate = _check_activation(activation)
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps > 0:
-            raise ValueError(f"norm_eps must be a positive float, got {norm_eps!r}")
+        check_bool(causal, "causal")
+        check_positive_float(norm_eps, "norm_eps")
         if dtype is not None and dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         self.recompute = recompute
@@ -224,13 +200,13 @@ class SelectiveDecoderLayer(nn.Module):
 
     def _block(self, x, attention_mask, seeds, store):
         p_attn, p = self._dropout_rates()
-        qkv = norm.ln_linear(x, self.ln1.weight, self.ln1.bias, self.qkv.weight, self.qkv.bias, self.ln1.eps, store)
+        qkv = fused.ln_linear(x, self.ln1.weight, self.ln1.bias, self.qkv.weight, self.qkv.bias, self.ln1.eps, store)
         o = _attend(qkv, self.num_heads, self.causal, p_attn, attention_mask, seeds[0], self.softmax_scale)
         a = F.linear(o, self.proj.weight, self.proj.bias)
         if p > 0:
-            a = ops.dropout(a, p, seeds[1])
+            a = dropout_op(a, p, seeds[1])
         x1 = x + a
-        m = norm.ln_mlp(x1, self.ln2.weight, self.ln2.bias, self.fc1.weight, self.fc1.bias, self.fc2.weight,
+        m = fused.ln_mlp(x1, self.ln2.weight, self.ln2.bias, self.fc1.weight, self.fc1.bias, self.fc2.weight,
                         self.fc2.bias, self.ln2.eps, p, self.approximate, seeds[2], store)
         return x1 + m
 

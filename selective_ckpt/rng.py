@@ -1,4 +1,4 @@
-"""Seeds and the dropout-mask contract of DESIGN.md.
+"""Seeds and the dropout-mask contract of docs/DESIGN.md.
 
 Masks are a pure function of (seed, indices): Philox4x32-10 keyed by the seed, one call per group
 of 8 columns, 16-bit values compared against t16 = round(p * 65536). The Philox words come from
@@ -36,6 +36,15 @@ def keep_scale(p) -> float:
     return U16_RANGE / (U16_RANGE - threshold(p))
 
 
+def kernel_constants(p: float):
+    """(t16, keep scale) of a dropout rate the public entry has already checked with `threshold`.
+
+    Computed once per call on the host and handed to every kernel of that call.
+    """
+    t16 = round(p * U16_RANGE)
+    return t16, U16_RANGE / (U16_RANGE - t16)
+
+
 def check_seed(seed, name="seed") -> int:
     """The seed as a Python int in [0, 2**64); a seed tensor (see seed_arg) is read back."""
     if isinstance(seed, torch.Tensor):
@@ -68,7 +77,7 @@ def draw_seed(device=None, generator=None) -> int:
 
 # Seeds cross the custom ops as tensors: int32 [2] holding the seed's low and high 32-bit words
 # (as int32 bit patterns). Drawing one is then an ordinary tensor op that torch.compile traces
-# without a graph break, and autograd keeps the 8 bytes of DESIGN.md's "dropout state".
+# without a graph break, and autograd keeps the 8 bytes of docs/DESIGN.md's "dropout state".
 
 def draw_seed_tensor(device=None, generator=None) -> torch.Tensor:
     """A fresh seed as a seed tensor: the same draw as draw_seed (same generator use and value)."""
@@ -79,25 +88,24 @@ def draw_seed_tensor(device=None, generator=None) -> torch.Tensor:
 
 
 def seed_arg(seed, device=None) -> torch.Tensor:
-    """The seed tensor for an op: None draws one on `device`, an int is validated and packed."""
+    """The seed tensor for an op on `device`: None draws one there, an int is validated and packed,
+    a seed tensor is checked and moved there if it lives elsewhere. Called once, at the public entry.
+    """
     if seed is None:
         return draw_seed_tensor(device)
     if isinstance(seed, torch.Tensor):
-        return check_seed_tensor(seed)
+        seed = check_seed_tensor(seed)
+        return seed if device is None else seed.to(device)
     seed = check_seed(seed)
     lo, hi = seed & 0xFFFFFFFF, seed >> 32
-    return torch.tensor([lo - (1 << 32) if lo >> 31 else lo, hi - (1 << 32) if hi >> 31 else hi], dtype=torch.int32)
+    return torch.tensor([lo - (1 << 32) if lo >> 31 else lo, hi - (1 << 32) if hi >> 31 else hi], dtype=torch.int32,
+                        device=device)
 
 
 def seed_from_tensor(seed: torch.Tensor) -> int:
     """The Python int in [0, 2**64) a seed tensor holds (reads it back from its device)."""
     lo, hi = (w & 0xFFFFFFFF for w in seed.tolist())
     return lo | (hi << 32)
-
-
-def unused_seed() -> torch.Tensor:
-    """The seed tensor passed where dropout is off: no generator is touched."""
-    return torch.zeros(2, dtype=torch.int32)
 
 
 def philox4x32(seed: int, counters: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""How results are judged (DESIGN.md): against float64 eager PyTorch, relative to eager's own error."""
+"""How results are judged (docs/DESIGN.md): against float64 eager PyTorch, relative to eager's own error."""
 
 import torch
 

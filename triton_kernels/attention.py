@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .convert import INTERPRETED, to_storage
 from .philox import attention_keep_tile, load_key
+from .rounding import INTERPRETED, to_storage
 
 LOG2E = 1.4426950408889634
 

@@ -7,8 +7,8 @@ CUDA graph replays with whatever seed the tensor holds then.
 import triton
 import triton.language as tl
 
-from .convert import to_compute, to_storage
 from .philox import elementwise_keep, load_key
+from .rounding import to_compute, to_storage
 
 
 @triton.jit(do_not_specialize=["t16"])

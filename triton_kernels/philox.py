@@ -1,6 +1,6 @@
-"""The one Triton implementation of Philox4x32-10 and of the dropout-mask contract (DESIGN.md).
+"""The one Triton implementation of Philox4x32-10 and of the dropout-mask contract (docs/DESIGN.md).
 
-Every GPU kernel that drops out calls `attention_keep` or `elementwise_keep`; nothing else in
+Every GPU kernel that drops out calls `attention_keep_tile` or `elementwise_keep`; nothing else in
 triton_kernels computes Philox. The high word of each 32x32 product comes from a widening
 64-bit multiply, which the interpreter evaluates vectorised and the GPU compiles to mul.wide.
 """

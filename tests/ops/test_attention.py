@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import selective_ckpt
-from selective_ckpt import ops, rng
+from selective_ckpt import backend, rng
+from selective_ckpt.ops import attention as attention_ops
 from tests.reference import assert_within_rule
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -186,8 +187,8 @@ def test_chunked_cpu_path_matches_one_chunk(monkeypatch, use_backend):
     grad = torch.randn(2, 2, 77, 64, generator=torch.Generator().manual_seed(9))
     fn = lambda a, b, c: selective_ckpt.attention(a, b, c, dropout_p=0.17, key_padding_mask=mask, seed=3)
     whole = run(fn, q, k, v, grad)
-    monkeypatch.setattr(ops, "ATTENTION_CHUNK_ELEMS", 2 * 113 * 10)  # 10-row chunks
-    assert ops._attention_chunk_rows(2, 77, 113) == 10
+    monkeypatch.setattr(backend, "ATTENTION_CHUNK_ELEMS", 2 * 113 * 10)  # 10-row chunks
+    assert backend.attention_chunk_rows(2, 77, 113) == 10
     for x, y in zip(whole, run(fn, q, k, v, grad)):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     for causal in (False, True):  # 16-bit chunks accumulate dK, dV in fp32
@@ -321,10 +322,11 @@ def test_opcheck_both_ops(use_backend):
     mask = make_mask(2, 13)
     q.requires_grad_()
     seed = rng.seed_arg(2**64 - 5)
-    torch.library.opcheck(ops.attention_fwd_op, (q, k, v, mask, True, 0.2, 0.25, seed))
-    o, lse = ops.attention_fwd_op(q, k, v, None, False, 0.0, 0.25, rng.unused_seed())
-    torch.library.opcheck(ops.attention_bwd_op, (torch.randn_like(o), q.detach(), k, v, o.detach(), lse.detach(), mask,
-                                                 False, 0.2, 0.25, seed))
+    torch.library.opcheck(attention_ops.attention_fwd_op, (q, k, v, mask, None, True, 0, 0.2, 0.25, seed))
+    o, lse = attention_ops.attention_fwd_op(q, k, v, None, None, False, 0, 0.0, 0.25, None)
+    do = torch.randn_like(o)
+    torch.library.opcheck(attention_ops.attention_bwd_op,
+                          (do, q.detach(), k, v, o.detach(), lse.detach(), mask, None, False, 0, 0.2, 0.25, seed))
 
 
 def test_cpu_op_traces_under_torch_compile(use_backend):
@@ -349,7 +351,7 @@ def _bad(**changes):
 BAD_INPUTS = [
     (dict(q=torch.randn(2, 5, 16)), ValueError, "q must have rank 4"),
     (dict(k=torch.randn(3, 2, 7, 16)), ValueError, "k must have shape"),
-    (dict(k=torch.randn(2, 3, 7, 16)), ValueError, "k must have shape"),
+    (dict(k=torch.randn(2, 3, 7, 16), v=torch.randn(2, 3, 7, 16)), ValueError, "number of heads Hkv that divides"),
     (dict(v=torch.randn(2, 2, 7, 24)), ValueError, "v must have the shape"),
     (dict(v=torch.randn(2, 2, 7, 16, dtype=torch.float16)), TypeError, "share one dtype"),
     (dict(q=torch.randn(2, 2, 5, 16, dtype=torch.float64)), TypeError, "q must be float32"),
@@ -366,6 +368,24 @@ BAD_INPUTS = [
     (dict(causal=1), TypeError, "causal must be a bool"),
     (dict(softmax_scale="x"), TypeError, "softmax_scale"),
     (dict(seed=-1), ValueError, "seed must be in"),
+    (dict(sliding_window=0), ValueError, "sliding_window must be a positive int"),
+    (dict(sliding_window=2.5), ValueError, "sliding_window must be a positive int"),
+    (dict(cu_seqlens=torch.tensor([0, 7], dtype=torch.int32)), ValueError, "B = 1"),
+    (dict(q=torch.randn(1, 2, 7, 16), k=torch.randn(1, 2, 7, 16), v=torch.randn(1, 2, 7, 16),
+          cu_seqlens=torch.tensor([0.0, 7.0])), ValueError, "cu_seqlens must be an int32"),
+    (dict(q=torch.randn(1, 2, 7, 16), k=torch.randn(1, 2, 7, 16), v=torch.randn(1, 2, 7, 16),
+          cu_seqlens=torch.tensor([[0, 7]], dtype=torch.int32)), ValueError, "cu_seqlens must be 1-D"),
+    (dict(q=torch.randn(1, 2, 7, 16), k=torch.randn(1, 2, 7, 16), v=torch.randn(1, 2, 7, 16),
+          cu_seqlens=torch.tensor([1, 7], dtype=torch.int32)), ValueError, "start at 0 and end at S=7"),
+    (dict(q=torch.randn(1, 2, 7, 16), k=torch.randn(1, 2, 7, 16), v=torch.randn(1, 2, 7, 16),
+          cu_seqlens=torch.tensor([0, 6], dtype=torch.int64)), ValueError, "start at 0 and end at S=7"),
+    (dict(q=torch.randn(1, 2, 7, 16), k=torch.randn(1, 2, 7, 16), v=torch.randn(1, 2, 7, 16),
+          cu_seqlens=torch.tensor([0, 5, 3, 7], dtype=torch.int32)), ValueError, "non-decreasing"),
+    (dict(q=torch.randn(1, 2, 5, 16), k=torch.randn(1, 2, 7, 16), v=torch.randn(1, 2, 7, 16),
+          cu_seqlens=torch.tensor([0, 7], dtype=torch.int32)), ValueError, "one length"),
+    (dict(q=torch.randn(1, 2, 7, 16), k=torch.randn(1, 2, 7, 16), v=torch.randn(1, 2, 7, 16),
+          key_padding_mask=torch.ones(1, 7, dtype=torch.bool), cu_seqlens=torch.tensor([0, 7], dtype=torch.int32)),
+     ValueError, "cannot be combined"),
 ]
 
 

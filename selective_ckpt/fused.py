@@ -1,10 +1,9 @@
-"""LayerNorm autograd and the fused pre-LN pieces of the decoder layer.
+"""Pre-norm fusions of the decoder layer: a norm and the matmul that consumes it in one autograd node.
 
-- `layer_norm(x, weight, bias, eps)`: saves x, mean and rstd; the normalised output is never kept.
-- `ln_linear(...)`: LayerNorm followed by a Linear in one autograd node. It keeps x, mean and rstd
-  and rebuilds LN(x) in backward for the Linear's weight gradient (or keeps LN(x) when `store`).
-- `ln_mlp(...)`: LayerNorm followed by the GELU-MLP (selective_ckpt.mlp) in one node: keeps x,
-  mean, rstd and the fc1 output; LN(x) and the GELU output are rebuilt in backward unless `store`.
+- `ln_linear(...)`: LayerNorm followed by a Linear. It keeps x, mean and rstd and rebuilds LN(x)
+  in backward for the Linear's weight gradient (or keeps LN(x) when `store`).
+- `ln_mlp(...)`: LayerNorm followed by the GELU-MLP (ops/gelu.py): keeps x, mean, rstd and the fc1
+  output; LN(x) and the GELU output are rebuilt in backward unless `store`.
 
 Stored and recomputed LayerNorm outputs come from the same kernel and the same saved statistics,
 so `store=True` and `store=False` give bit-identical gradients.
@@ -16,35 +15,8 @@ autocast, which is what eager's layer_norm does there) and the matmuls in `compu
 import torch
 import torch.nn.functional as F
 
-from . import ops, rng
-
-
-def _check_ln_args(x, weight, bias, eps):
-    ops.check_floating(x, "x")
-    ops.check_floating(weight, "weight")
-    n = x.shape[-1] if x.dim() else 0
-    if x.dim() == 0 or n == 0:
-        raise ValueError(f"x must have a non-empty last dimension, got shape {list(x.shape)}")
-    if weight.shape != (n,):
-        raise ValueError(f"weight must have shape [{n}] (x's last dim), got {list(weight.shape)}")
-    if bias is not None:
-        ops.check_floating(bias, "bias")
-        if bias.shape != (n,):
-            raise ValueError(f"bias must have shape [{n}] (x's last dim), got {list(bias.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
-
-
-def layer_norm(x, weight, bias=None, eps=1e-5):
-    """LayerNorm over x's last dim with a fused kernel; weight/bias are cast to x's dtype.
-
-    Autograd keeps x, mean and rstd (float32 per row; float64 for float64 x), not the output.
-    """
-    _check_ln_args(x, weight, bias, eps)
-    weight = weight.to(x.dtype)
-    bias = bias.to(x.dtype) if bias is not None else None
-    y, _, _ = ops.layer_norm_fwd(x, weight, bias, float(eps))
-    return y
+from .ops.gelu import mlp_backward, mlp_forward
+from .ops.layer_norm import layer_norm_apply, layer_norm_bwd, layer_norm_fwd
 
 
 def norm_dtype(x):
@@ -68,17 +40,17 @@ def _cast(t, dtype):
 
 def _ln_forward(x, ln_w, ln_b, eps, nd):
     xn = x.to(nd)
-    y, mean, rstd = ops.layer_norm_fwd(xn, ln_w.to(nd), _cast(ln_b, nd), eps)
+    y, mean, rstd = layer_norm_fwd(xn, ln_w.to(nd), _cast(ln_b, nd), eps)
     return y, mean, rstd
 
 
 def _ln_recompute(x, ln_w, ln_b, mean, rstd, nd):
-    return ops.layer_norm_apply(x.to(nd), ln_w.to(nd), _cast(ln_b, nd), mean, rstd)
+    return layer_norm_apply(x.to(nd), ln_w.to(nd), _cast(ln_b, nd), mean, rstd)
 
 
 def _ln_grads(ctx, dy_norm, x, ln_w, mean, rstd, nd, first):
     """(dx, dln_w, dln_b) in the dtypes of x and the LayerNorm parameters."""
-    dx, dw, db = ops.layer_norm_bwd(dy_norm.to(nd).contiguous(), x.to(nd), mean, rstd, ln_w.to(nd))
+    dx, dw, db = layer_norm_bwd(dy_norm.to(nd).contiguous(), x.to(nd), mean, rstd, ln_w.to(nd))
     need = ctx.needs_input_grad
     return (dx.to(x.dtype) if need[first] else None, dw.to(ln_w.dtype) if need[first + 1] else None,
             db.to(ln_w.dtype) if need[first + 2] and ctx.has_ln_bias else None)
@@ -124,13 +96,11 @@ def ln_linear(x, ln_w, ln_b, w, b, eps=1e-5, store=False):
 class _LNMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, p, approximate, seed, store, cd):
-        from . import mlp
-
         nd = x.dtype if cd == x.dtype else norm_dtype(x)
         y, mean, rstd = _ln_forward(x, ln_w, ln_b, eps, nd)
         u = y.to(cd)
         w1c, b1c, w2c, b2c = w1.to(cd), _cast(b1, cd), w2.to(cd), _cast(b2, cd)
-        out, h, a = mlp.mlp_forward(u, w1c, b1c, w2c, b2c, p, approximate, seed, store)
+        out, h, a = mlp_forward(u, w1c, b1c, w2c, b2c, p, approximate, seed, store)
         ctx.eps, ctx.store, ctx.cd, ctx.nd = eps, store, cd, nd
         ctx.p, ctx.approximate = p, approximate
         ctx.has_ln_bias = ln_b is not None
@@ -141,15 +111,13 @@ class _LNMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from . import mlp
-
         x, ln_w, ln_b, w1, b1, w2, b2, mean, rstd, h, a, u, seed = ctx.saved_tensors
         need = ctx.needs_input_grad
         if u is None:
             u = _ln_recompute(x, ln_w, ln_b, mean, rstd, ctx.nd).to(ctx.cd)
         need_u = need[0] or need[1] or need[2]
         mlp_need = (need_u, need[3], need[4], need[5], need[6])
-        du, dw1, db1, dw2, db2 = mlp.mlp_backward(dy.contiguous(), u, h, a, w1, b1, w2, b2, ctx.p, ctx.approximate,
+        du, dw1, db1, dw2, db2 = mlp_backward(dy.contiguous(), u, h, a, w1, b1, w2, b2, ctx.p, ctx.approximate,
                                                  seed, mlp_need)
         grads = [g if (g is None or dt is None) else g.to(dt) for g, dt in zip((dw1, db1, dw2, db2), ctx.param_dtypes)]
         dx = dlw = dlb = None
@@ -161,10 +129,9 @@ class _LNMLP(torch.autograd.Function):
 def ln_mlp(x, ln_w, ln_b, w1, b1, w2, b2, eps=1e-5, dropout_p=0.0, approximate="none", seed=None, store=False):
     """gelu_mlp(layer_norm(x)) in one autograd node keeping x, mean, rstd and the fc1 output.
 
-    `seed` is a seed tensor (rng.seed_arg) or an int, required when dropout_p > 0.
+    `seed` is the seed tensor (rng.seed_arg) on x's device, required when dropout_p > 0.
 
     With `store`, LN(x) and the GELU output are kept too (nothing recomputed, same bits).
     """
-    seed = rng.seed_arg(seed, x.device) if dropout_p else None
     return _LNMLP.apply(x, ln_w, ln_b, w1, b1, w2, b2, float(eps), float(dropout_p), approximate, seed, bool(store),
                         compute_dtype(x))

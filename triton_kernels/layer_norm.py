@@ -6,10 +6,11 @@ stored and a recomputed output agree bit for bit. Backward writes dx and per-pro
 of dw/db that the host adds up in a fixed order.
 """
 
+import torch
 import triton
 import triton.language as tl
 
-from .convert import to_compute, to_storage
+from .rounding import to_compute, to_storage
 
 
 @triton.jit
@@ -106,9 +107,14 @@ def apply(x, w, b, y, mean, rstd, rows, n):
 ROWS_PER_PROG = 16
 
 
-def backward(dy, x, mean, rstd, w, dx, pw, pb, rows, n):
-    """Writes dx (if not None) and partial dw/db sums pw, pb [cdiv(rows, ROWS_PER_PROG), n]."""
-    grid = (triton.cdiv(rows, ROWS_PER_PROG),)
-    _backward_kernel[grid](dy, x, mean, rstd, w, dx if dx is not None else x, pw, pb, rows, n,
-                           ROWS_PER_PROG=ROWS_PER_PROG, WRITE_DX=dx is not None, BLOCK=_block(n),
-                           num_warps=_warps(n))
+def backward(dy, x, mean, rstd, w, dx, dw, db, rows, n):
+    """Writes dx (if not None), dw and db: each program sums ROWS_PER_PROG rows into a partial row
+    (fp32, float64 for float64), and the partials are summed in a fixed order, so runs repeat bit for bit."""
+    progs = triton.cdiv(rows, ROWS_PER_PROG)
+    pw = torch.empty(progs, n, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
+    pb = torch.empty_like(pw)
+    _backward_kernel[(progs,)](dy, x, mean, rstd, w, dx if dx is not None else x, pw, pb, rows, n,
+                               ROWS_PER_PROG=ROWS_PER_PROG, WRITE_DX=dx is not None, BLOCK=_block(n),
+                               num_warps=_warps(n))
+    dw.copy_(pw.sum(0))
+    db.copy_(pb.sum(0))

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "bindings.h"
+#include "registry.h"
 #include "dtypes.h"
 
 namespace py = pybind11;
@@ -147,9 +147,7 @@ void layer_norm_backward(int dtype, uintptr_t dy, uintptr_t x, uintptr_t mean, u
   });
 }
 
-}  // namespace
-
-void register_layernorm(py::module_& m) {
+void register_layer_norm(py::module_& m) {
   m.def("layer_norm_forward", &layer_norm_forward, py::arg("dtype"), py::arg("x"), py::arg("w"),
         py::arg("b"), py::arg("y"), py::arg("mean"), py::arg("rstd"), py::arg("rows"), py::arg("n"),
         py::arg("eps"), py::call_guard<py::gil_scoped_release>());
@@ -161,4 +159,7 @@ void register_layernorm(py::module_& m) {
         py::arg("rows"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
 }
 
+SCKPT_REGISTER(register_layer_norm);
+
+}  // namespace
 }  // namespace sckpt

@@ -12,8 +12,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from selective_ckpt import gelu_mlp, ops, rng
-from selective_ckpt.mlp import mlp_backward, mlp_forward
+from selective_ckpt import gelu_mlp, rng
+from selective_ckpt.ops.gelu import gelu_backward_op, gelu_op, mlp_backward, mlp_forward
 from tests.reference import assert_within_rule
 
 NAMES = ("x", "w1", "b1", "w2", "b2")
@@ -261,8 +261,9 @@ def test_only_needed_grads_are_computed():
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, atol=2e-5, rtol=1e-5)
     args = [low[n].detach() for n in NAMES]
-    _, h, _ = mlp_forward(*args, 0.17, "tanh", 4, False)
-    only_db2 = mlp_backward(dy, args[0], h, None, *args[1:], 0.17, "tanh", 4, (False, False, False, False, True))
+    _, h, _ = mlp_forward(*args, 0.17, "tanh", rng.seed_arg(4), False)
+    only_db2 = mlp_backward(dy, args[0], h, None, *args[1:], 0.17, "tanh", rng.seed_arg(4),
+                            (False, False, False, False, True))
     assert only_db2[:4] == (None,) * 4
     torch.testing.assert_close(only_db2[4], got[2])
 
@@ -270,12 +271,12 @@ def test_only_needed_grads_are_computed():
 def test_plain_functions_match_autograd_op():
     _, t = make_inputs((2, 7), 12, 24, 5, torch.bfloat16)
     args = [t[n].detach() for n in NAMES]
-    y, h, a = mlp_forward(*args, 0.17, "tanh", 21, False)
+    y, h, a = mlp_forward(*args, 0.17, "tanh", rng.seed_arg(21), False)
     assert a is None and h.shape == (2, 7, 24)
     y_op = ours(t, 0.17, "tanh", 21)
     assert torch.equal(y, y_op)
     dy = torch.randn(2, 7, 5).to(torch.bfloat16)
-    got = mlp_backward(dy, args[0], h, None, *args[1:], 0.17, "tanh", 21, (True,) * 5)
+    got = mlp_backward(dy, args[0], h, None, *args[1:], 0.17, "tanh", rng.seed_arg(21), (True,) * 5)
     want = grads(y_op, t, dy)
     for n, g in zip(NAMES, got):
         assert torch.equal(g, want[n]), n
@@ -336,19 +337,19 @@ def test_bad_store_flag():
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_opcheck(approximate, backend):
     h = torch.randn(3, 17)
-    torch.library.opcheck(ops.mlp_gelu_op, (h, approximate))
-    torch.library.opcheck(ops.mlp_gelu_backward_op, (torch.randn(3, 17), h, approximate))
+    torch.library.opcheck(gelu_op, (h, approximate))
+    torch.library.opcheck(gelu_backward_op, (torch.randn(3, 17), h, approximate))
 
 
 def test_gelu_kernels_match_torch(backend):
     h = torch.linspace(-9, 9, 301, dtype=torch.float64).reshape(7, 43)
     for approximate in ("none", "tanh"):
-        torch.testing.assert_close(ops.mlp_gelu_op(h, approximate), F.gelu(h, approximate=approximate),
+        torch.testing.assert_close(gelu_op(h, approximate), F.gelu(h, approximate=approximate),
                                    rtol=1e-12, atol=1e-13)
         hr = h.clone().requires_grad_(True)
         (want,) = torch.autograd.grad(F.gelu(hr, approximate=approximate), hr, torch.ones_like(h))
         g = torch.ones_like(h)
-        ops.mlp_gelu_backward_op(g, h, approximate)
+        gelu_backward_op(g, h, approximate)
         torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-13)
 
 
@@ -361,9 +362,9 @@ def test_float32_gelu_accuracy(backend):
         ref = F.gelu(x64, approximate=approximate)
         xr = x64.clone().requires_grad_(True)
         (dref,) = torch.autograd.grad(F.gelu(xr, approximate=approximate), xr, torch.ones_like(xr))
-        a = ops.mlp_gelu_op(x, approximate).double()
+        a = gelu_op(x, approximate).double()
         g = torch.ones_like(x)
-        ops.mlp_gelu_backward_op(g, x, approximate)
+        gelu_backward_op(g, x, approximate)
         assert ((a - ref).abs() <= tol * ref.abs().clamp_min(1)).all(), approximate
         assert ((g.double() - dref).abs() <= tol * dref.abs().clamp_min(1)).all(), approximate
 
@@ -378,7 +379,7 @@ def test_16bit_gelu_rounding(dtype, backend):
     exact = {"none": x64 * 0.5 * torch.special.erfc(-x64 / 2**0.5), "tanh": x64 * torch.sigmoid(2 * u)}
     for approximate in ("none", "tanh"):
         want = exact[approximate]
-        a = ops.mlp_gelu_op(x, approximate).double()
+        a = gelu_op(x, approximate).double()
         # eps * |a| plus the subnormal spacing; Triton's 0.5 (1 + erf) in float32 (the eager formula)
         # also carries float32's absolute error in the left tail, where the C++ erfc form does not.
         info = torch.finfo(dtype)
@@ -387,7 +388,7 @@ def test_16bit_gelu_rounding(dtype, backend):
             ulp = ulp + 2 * torch.finfo(torch.float32).eps * x64.abs()
         assert ((a - want).abs() <= ulp).all(), approximate
         g = torch.full_like(x, 0.75)
-        ops.mlp_gelu_backward_op(g, x, approximate)
+        gelu_backward_op(g, x, approximate)
         xr = x.double().requires_grad_(True)
         (dwant,) = torch.autograd.grad(F.gelu(xr, approximate=approximate), xr, torch.full_like(xr, 0.75))
         assert ((g.double() - dwant).abs() <= torch.finfo(dtype).eps * dwant.abs().clamp_min(1e-3)).all()
@@ -400,12 +401,12 @@ def test_16bit_kernels_round_the_float_kernel(dtype, backend):
     x[0, :4] = torch.tensor([float("inf"), -0.0, 0.0, 70000.0 if dtype == torch.bfloat16 else 65504.0])
     for approximate in ("none", "tanh"):
         exact = dict(rtol=0, atol=0, equal_nan=True)  # gelu'(inf) may be inf * 0
-        torch.testing.assert_close(ops.mlp_gelu_op(x, approximate), ops.mlp_gelu_op(x.float(), approximate).to(dtype),
+        torch.testing.assert_close(gelu_op(x, approximate), gelu_op(x.float(), approximate).to(dtype),
                                    **exact)
         g16 = (torch.randn(3, 1001) * 2).to(dtype)
         g32 = g16.float()
-        ops.mlp_gelu_backward_op(g16, x, approximate)
-        ops.mlp_gelu_backward_op(g32, x.float(), approximate)
+        gelu_backward_op(g16, x, approximate)
+        gelu_backward_op(g32, x.float(), approximate)
         torch.testing.assert_close(g16, g32.to(dtype), **exact)
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selective_ckpt import norm, ops
+from selective_ckpt import backend, fused
+from selective_ckpt.ops import layer_norm as ln_ops
 from tests.reference import assert_within_rule
 
 SHAPES = [(1, 17), (5, 77), (3, 2, 40)]
@@ -34,7 +35,7 @@ def _grads(fn, x, w, b, dy):
 def test_layer_norm_matches_float64_reference(backend, shape, dtype, bias):
     x, w, b, dy = _inputs(shape, dtype, bias)
     n = shape[-1]
-    ours = _grads(lambda x, w, b: norm.layer_norm(x, w, b, 1e-5), x, w, b, dy)
+    ours = _grads(lambda x, w, b: ln_ops.layer_norm(x, w, b, 1e-5), x, w, b, dy)
     eager = _grads(lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5), x, w, b, dy)
     d = lambda t: None if t is None else t.double()
     ref = _grads(lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5), d(x), d(w), d(b), d(dy))
@@ -50,9 +51,9 @@ def test_layer_norm_matches_float64_reference(backend, shape, dtype, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_rebuilds_forward_output_bit_for_bit(backend, dtype):
     x, w, b, _ = _inputs((7, 45), dtype, True, seed=3)
-    y, mean, rstd = ops.layer_norm_fwd(x, w, b, 1e-5)
+    y, mean, rstd = ln_ops.layer_norm_fwd(x, w, b, 1e-5)
     assert mean.dtype == rstd.dtype == torch.float32 and mean.shape == (7,)
-    assert torch.equal(ops.layer_norm_apply(x, w, b, mean, rstd), y)
+    assert torch.equal(ln_ops.layer_norm_apply(x, w, b, mean, rstd), y)
     torch.testing.assert_close(mean, x.float().mean(-1), atol=1e-5, rtol=1e-5)
 
 
@@ -62,11 +63,11 @@ def test_backends_agree():
 
     results = []
     for choice in ("auto", "triton"):
-        os.environ[ops.BACKEND_ENV] = choice
+        os.environ[backend.BACKEND_ENV] = choice
         try:
-            results.append(_grads(lambda x, w, b: norm.layer_norm(x, w, b), x, w, b, dy))
+            results.append(_grads(lambda x, w, b: ln_ops.layer_norm(x, w, b), x, w, b, dy))
         finally:
-            os.environ.pop(ops.BACKEND_ENV, None)
+            os.environ.pop(backend.BACKEND_ENV, None)
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-6)
     for a, c in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-6)
@@ -77,7 +78,7 @@ def test_saves_input_and_statistics_only():
     x.requires_grad_(True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = norm.layer_norm(x, w, b)
+        y = ln_ops.layer_norm(x, w, b)
     shapes = sorted(tuple(t.shape) for t in saved)
     assert shapes == [(4,), (4,), (4, 24), (24,)], shapes  # x, weight, mean, rstd; never y
     assert not any(t.data_ptr() == y.data_ptr() for t in saved)
@@ -98,7 +99,7 @@ def test_ln_linear_matches_reference(backend, dtype, store):
         out.backward(dy.to(out.dtype))
         return [out.detach()] + [t.grad for t in leaves]
 
-    ours = run(lambda *a: norm.ln_linear(*a, eps=1e-5, store=store), x, lw, lb, w, b)
+    ours = run(lambda *a: fused.ln_linear(*a, eps=1e-5, store=store), x, lw, lb, w, b)
     eager_fn = lambda x, lw, lb, w, b: F.linear(F.layer_norm(x, (24,), lw, lb, 1e-5), w, b)
     eager = run(eager_fn, x, lw, lb, w, b)
     ref = run(eager_fn, *(t.double() for t in (x, lw, lb, w, b)))
@@ -113,7 +114,7 @@ def test_ln_linear_store_and_recompute_bit_identical(backend):
     grads = []
     for store in (False, True):
         leaves = [t.clone().requires_grad_(True) for t in (x, lw, lb, w)]
-        out = norm.ln_linear(*leaves, None, store=store)
+        out = fused.ln_linear(*leaves, None, store=store)
         out.backward(dy)
         grads.append([out] + [t.grad for t in leaves])
     for a, c in zip(*grads):
@@ -122,35 +123,35 @@ def test_ln_linear_store_and_recompute_bit_identical(backend):
 
 def test_opcheck_layer_norm_ops():
     x, w, b, dy = _inputs((3, 20), torch.float32, True)
-    y, mean, rstd = ops.layer_norm_fwd(x, w, b, 1e-5)
-    torch.library.opcheck(ops.layer_norm_fwd, (x.requires_grad_(True), w.requires_grad_(True), b, 1e-5))
-    torch.library.opcheck(ops.layer_norm_apply, (x.detach(), w.detach(), b, mean, rstd))
-    torch.library.opcheck(ops.layer_norm_bwd, (dy, x.detach(), mean, rstd, w.detach()))
+    y, mean, rstd = ln_ops.layer_norm_fwd(x, w, b, 1e-5)
+    torch.library.opcheck(ln_ops.layer_norm_fwd, (x.requires_grad_(True), w.requires_grad_(True), b, 1e-5))
+    torch.library.opcheck(ln_ops.layer_norm_apply, (x.detach(), w.detach(), b, mean, rstd))
+    torch.library.opcheck(ln_ops.layer_norm_bwd, (dy, x.detach(), mean, rstd, w.detach()))
 
 
 def test_bad_arguments():
     x = torch.randn(3, 8)
     with pytest.raises(ValueError, match="weight must have shape"):
-        norm.layer_norm(x, torch.ones(7))
+        ln_ops.layer_norm(x, torch.ones(7))
     with pytest.raises(ValueError, match="bias must have shape"):
-        norm.layer_norm(x, torch.ones(8), torch.ones(3))
+        ln_ops.layer_norm(x, torch.ones(8), torch.ones(3))
     with pytest.raises(ValueError, match="eps"):
-        norm.layer_norm(x, torch.ones(8), eps=-1.0)
+        ln_ops.layer_norm(x, torch.ones(8), eps=-1.0)
     with pytest.raises(TypeError, match="x must be"):
-        norm.layer_norm(torch.ones(3, 8, dtype=torch.int64), torch.ones(8))
+        ln_ops.layer_norm(torch.ones(3, 8, dtype=torch.int64), torch.ones(8))
     with pytest.raises(ValueError, match="last dimension"):
-        norm.layer_norm(torch.ones(3, 0), torch.ones(0))
+        ln_ops.layer_norm(torch.ones(3, 0), torch.ones(0))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_layer_norm_matches_float64_reference(dtype):
     x, w, b, dy = (t.cuda() for t in _inputs((203, 4096), dtype, True))
-    ours = _grads(lambda x, w, b: norm.layer_norm(x, w, b), x, w, b, dy)
+    ours = _grads(lambda x, w, b: ln_ops.layer_norm(x, w, b), x, w, b, dy)
     eager = _grads(lambda x, w, b: F.layer_norm(x, (4096,), w, b), x, w, b, dy)
     ref = _grads(lambda x, w, b: F.layer_norm(x, (4096,), w, b), x.double(), w.double(), b.double(), dy.double())
     assert_within_rule(ours[0], eager[0], ref[0], 2, name="y")
     for name, o, e, r in zip(("dx", "dw", "db"), ours[1], eager[1], ref[1]):
         assert_within_rule(o, e, r, 3, floor=1e-4, name=name)
-    y, mean, rstd = ops.layer_norm_fwd(x, w, b, 1e-5)
-    assert torch.equal(ops.layer_norm_apply(x, w, b, mean, rstd), y)
+    y, mean, rstd = ln_ops.layer_norm_fwd(x, w, b, 1e-5)
+    assert torch.equal(ln_ops.layer_norm_apply(x, w, b, mean, rstd), y)

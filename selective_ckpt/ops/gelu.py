@@ -1,27 +1,77 @@
-"""GELU-MLP with selective recomputation: y = dropout(gelu(x @ w1^T + b1) @ w2^T + b2).
+"""GELU and the GELU-MLP with selective recomputation: y = dropout(gelu(x @ w1^T + b1) @ w2^T + b2).
+
+The kernels are the elementwise passes: a = gelu(h) (forward, and the backward's recompute) and
+g *= gelu'(h) in place. The matmuls stay in torch (MKL / cuBLAS) with the biases inside them
+(addmm): adding a bias after the matmul's result has been rounded to bf16/fp16 rounds h twice,
+which measured up to 5x eager's own error against float64 on small inner sizes.
 
 Backward keeps x and the fc1 output h = x @ w1^T + b1 (the GELU input) and the dropout seed. The
-GELU output a is recomputed from h for fc2's weight gradient and the dropout mask is regenerated
-from the seed, so neither is stored. The matmuls stay in torch (MKL / cuBLAS), with the biases
-inside them (addmm): adding a bias after the matmul's result has been rounded to bf16/fp16 rounds
-h twice, which measured up to 5x eager's own error against float64 on small inner sizes.
-
-Two plain functions carry the computation so that other autograd code (the decoder layer, which
-saves the LayerNorm input instead of x) can reuse them: `mlp_forward` and `mlp_backward`.
+GELU output is recomputed from h for fc2's weight gradient and the dropout mask is regenerated
+from the seed, so neither is stored. `mlp_forward` and `mlp_backward` carry the computation so
+other autograd code (selective_ckpt/fused.py, which saves the norm input instead of x) reuses them.
 """
 
 import torch
 
-from . import ops, rng
+from .. import backend, rng
+from ..validation import check_floating
+from .dropout import dropout_op
 
 __all__ = ["gelu_mlp", "mlp_forward", "mlp_backward", "check_mlp_args"]
+
+GELU_APPROXIMATIONS = {"none": 0, "tanh": 1}
+
+
+def gelu_approximation_code(approximate) -> int:
+    """0 for "none" (erf GELU), 1 for "tanh" (GPT-2's gelu_new); anything else is refused."""
+    if not isinstance(approximate, str):
+        raise TypeError(f"approximate must be a str, 'none' or 'tanh', got {type(approximate).__name__}")
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    return GELU_APPROXIMATIONS[approximate]
+
+
+@torch.library.custom_op("selective_ckpt::gelu", mutates_args=())
+def gelu_op(h: torch.Tensor, approximate: str) -> torch.Tensor:
+    code = gelu_approximation_code(approximate)
+    h = h.contiguous()
+    a = torch.empty_like(h)
+    if h.numel():
+        backend.call("gelu", "forward", h, a, h.numel(), code)
+    return a
+
+
+@gelu_op.register_fake
+def _(h, approximate):
+    return torch.empty_like(h, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("selective_ckpt::gelu_backward_", mutates_args=("grad",))
+def gelu_backward_op(grad: torch.Tensor, h: torch.Tensor, approximate: str) -> None:
+    """grad *= gelu'(h), in place (grad is the buffer of dy @ w2, so dh costs no new memory)."""
+    code = gelu_approximation_code(approximate)
+    if grad.shape != h.shape or grad.dtype != h.dtype or grad.device != h.device:
+        raise ValueError(f"grad {list(grad.shape)} {grad.dtype} {grad.device} must match h "
+                         f"{list(h.shape)} {h.dtype} {h.device}")
+    if grad.numel() == 0:
+        return
+    h = h.contiguous()
+    work = grad if grad.is_contiguous() else grad.contiguous()
+    backend.call("gelu", "backward_", work, h, h.numel(), code)
+    if work is not grad:
+        grad.copy_(work)
+
+
+@gelu_backward_op.register_fake
+def _(grad, h, approximate):
+    return None
 
 
 def check_mlp_args(x, w1, b1, w2, b2):
     """Validates the operands of gelu_mlp (nn.Linear layout); returns (in, hidden, out)."""
     named = [("x", x), ("w1", w1), ("w2", w2)] + [(n, b) for n, b in (("b1", b1), ("b2", b2)) if b is not None]
     for name, t in named:
-        ops.check_floating(t, name)
+        check_floating(t, name)
     for name, t in named[1:]:
         if t.dtype != x.dtype:
             raise TypeError(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
@@ -53,8 +103,8 @@ def mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activatio
     """Forward of the GELU-MLP without autograd; returns (y, h, a_or_None).
 
     x [..., in]; w1 [hidden, in]; b1 [hidden] or None; w2 [out, hidden]; b2 [out] or None.
-    dropout_p: float in [0, 1); approximate: "none" | "tanh"; seed: a Python int in [0, 2**64) or
-    a seed tensor (rng.seed_arg), ignored when dropout_p == 0. Operands are assumed valid (see check_mlp_args).
+    dropout_p: float in [0, 1); approximate: "none" | "tanh"; seed: the seed tensor (rng.seed_arg)
+    on x's device, ignored when dropout_p == 0. Operands are assumed valid (see check_mlp_args).
 
     Returns y [..., out], h = x @ w1^T + b1 [..., hidden] (the GELU input, to be saved), and the
     GELU output a [..., hidden] only when store_activation is True (else None: a is freed here
@@ -63,10 +113,10 @@ def mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activatio
     """
     lead = x.shape[:-1]
     h = _linear(x.reshape(-1, x.shape[-1]), w1, b1)
-    a = ops.mlp_gelu_op(h, approximate)
+    a = gelu_op(h, approximate)
     y = _linear(a, w2, b2)
     if dropout_p:
-        y = ops.dropout_op(y, float(dropout_p), rng.seed_arg(seed))
+        y = dropout_op(y, float(dropout_p), seed)
     hidden, out = w1.shape[0], w2.shape[0]
     kept = a.reshape(*lead, hidden) if store_activation else None
     return y.reshape(*lead, out), h.reshape(*lead, hidden), kept
@@ -88,7 +138,7 @@ def mlp_backward(dy, x, h, a_or_None, w1, b1, w2, b2, dropout_p, approximate, se
     hidden, out = w1.shape[0], w2.shape[0]
     dz = dy.reshape(-1, out)
     if dropout_p:
-        dz = ops.dropout_op(dz, float(dropout_p), rng.seed_arg(seed))
+        dz = dropout_op(dz, float(dropout_p), seed)
     else:
         dz = dz.contiguous()
     h2 = h.reshape(-1, hidden)
@@ -96,7 +146,7 @@ def mlp_backward(dy, x, h, a_or_None, w1, b1, w2, b2, dropout_p, approximate, se
     db2 = dz.sum(0) if nb2 and b2 is not None else None
     dw2 = None
     if nw2:
-        act = a_or_None.reshape(-1, hidden) if a_or_None is not None else ops.mlp_gelu_op(h2, approximate)
+        act = a_or_None.reshape(-1, hidden) if a_or_None is not None else gelu_op(h2, approximate)
         dw2 = dz.t() @ act
         del act
 
@@ -104,7 +154,7 @@ def mlp_backward(dy, x, h, a_or_None, w1, b1, w2, b2, dropout_p, approximate, se
     if nx or nw1 or (nb1 and b1 is not None):
         dh = dz @ w2
         del dz
-        ops.mlp_gelu_backward_op(dh, h2, approximate)
+        gelu_backward_op(dh, h2, approximate)
         if nb1 and b1 is not None:
             db1 = dh.sum(0)
         if nw1:
@@ -143,7 +193,7 @@ def gelu_mlp(x, w1, b1, w2, b2, dropout_p=0.0, approximate="none", seed=None, *,
     instead of recomputing it; outputs and gradients are bit-identical either way.
     """
     check_mlp_args(x, w1, b1, w2, b2)
-    ops.gelu_approximation_code(approximate)
+    gelu_approximation_code(approximate)
     rng.threshold(dropout_p, "dropout_p")
     if not isinstance(store_activation, bool):
         raise TypeError(f"store_activation must be a bool, got {type(store_activation).__name__}")

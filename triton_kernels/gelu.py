@@ -1,4 +1,4 @@
-"""Elementwise passes of the GELU-MLP: a = gelu(h) (forward, and the backward's recompute) and the
+"""GELU kernels of the GELU-MLP: a = gelu(h) (forward, and the backward's recompute) and the
 in-place g *= gelu'(h). Both GELU forms; the tanh form uses 0.5 (1 + tanh(u)) = sigmoid(2u), so
 no libdevice tanh is needed, and the erf is tl.erf: both run under the interpreter.
 """
@@ -6,7 +6,7 @@ no libdevice tanh is needed, and the erf is tl.erf: both run under the interpret
 import triton
 import triton.language as tl
 
-from .convert import to_compute, to_storage
+from .rounding import to_compute, to_storage
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 INV_SQRT_2 = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
@@ -64,14 +64,14 @@ def _block(n):
     return min(4096, triton.next_power_of_2(max(n, 16)))
 
 
-def gelu(h, a, n, approximate):
+def forward(h, a, n, approximate):
     """a = gelu(h) over n contiguous elements; approximate 0 = erf, 1 = tanh."""
     block = _block(n)
     _gelu_kernel[(triton.cdiv(n, block),)](h, a, n, TANH=approximate == 1, BLOCK=block)
     return a
 
 
-def gelu_backward_(g, h, n, approximate):
+def backward_(g, h, n, approximate):
     """g *= gelu'(h) in place over n contiguous elements."""
     block = _block(n)
     _gelu_backward_kernel[(triton.cdiv(n, block),)](g, h, n, TANH=approximate == 1, BLOCK=block)

@@ -1,0 +1,59 @@
+"""The main job: activation memory, peak memory and step time of one decoder layer stack, six ways.
+
+    python -m selective_ckpt.bench                 # CPU: h=512, a=8, 2 layers, B=2, seq 256/512/1024
+    python -m selective_ckpt.bench --quick         # tiny CPU config (< 1 minute)
+    python -m selective_ckpt.bench --device cuda   # 7B layer: h=4096, a=32, bf16, seq 2048/4096/8192
+
+Rows, measured in the same run on the same input:
+  eager            the seeds' layer: pre-LN, nn.MultiheadAttention with its default arguments, GELU MLP
+  eager-ckpt       that layer under torch.utils.checkpoint(use_reentrant=False), per layer
+  eager-sac        that layer under PyTorch's selective checkpoint policy saving matmul outputs
+  none / selective / full   SelectiveDecoderLayer with that recompute mode
+
+Columns:
+  kept/layer   bytes kept for backward per layer: selective_ckpt.memory.ledger (saved-tensor hooks,
+               distinct storage, parameters excluded), total over the stack / layers
+  peak         peak bytes allocated by one forward+backward step above what was live before it
+               (parameters, input; grads set to None first). CUDA: torch.cuda.max_memory_allocated.
+               CPU: memory.cpu_peak_bytes, the running sum of the profiler's allocation events.
+  step         median wall time of a forward+backward step over --repeats runs (rows interleaved
+               run by run, so load drift on a shared machine hits all rows alike), and its ratio to
+               eager and to "none"; "min ms" is the fastest run, the least disturbed one
+  max batch    largest batch of a --model-layers model that fits --budget, projected linearly from
+               this run: weights + grads (2 * params) + b * ((L - N) * kept/layer + step peak
+               above grads) / B, where N is the measured stack's depth and B its batch
+Output: the table on stdout, results.csv and (with matplotlib) kept_memory.png and step_time.png in --out.
+"""
+
+from pathlib import Path
+
+from .config import CONFIGS, CPU_BUDGET, MODEL_LAYERS, ROW_LABELS, ROWS, build_parser, parse_budget, resolve_config
+from .report import describe, format_table, summary, write_csv, write_plots
+from .runner import Progress, Step, build_stack, measure_peak, run, sync
+
+__all__ = ["CONFIGS", "CPU_BUDGET", "MODEL_LAYERS", "Progress", "ROWS", "ROW_LABELS", "Step", "build_parser",
+           "build_stack", "describe", "format_table", "main", "measure_peak", "parse_budget", "resolve_config", "run",
+           "summary", "sync", "write_csv", "write_plots"]
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    cfg = resolve_config(args)
+    cfg["seed"] = args.seed
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(describe(cfg), flush=True)
+    results = run(cfg, progress=not args.no_progress)
+    print(format_table(results, cfg))
+    text = summary(results)
+    if text:
+        print(text)
+    write_csv(results, cfg, out / "results.csv")
+    print(f"wrote {out / 'results.csv'}")
+    if not args.no_plots:
+        paths = write_plots(results, cfg, out)
+        if paths is None:
+            print("matplotlib is not installed: skipped the plots (pip install matplotlib, or selective_ckpt[bench])")
+        else:
+            print("wrote " + ", ".join(map(str, paths)))
+    return results

@@ -1,0 +1,182 @@
+"""Builds each row's layer stack and measures it: ledger, step peak memory and interleaved step times."""
+
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import memory
+from ..layers import SelectiveDecoderLayer
+from ..models.eager import EagerDecoderLayer
+
+
+class Checkpointed(nn.Module):
+    """A layer run under torch.utils.checkpoint(use_reentrant=False), optionally with a context_fn."""
+
+    def __init__(self, layer, context_fn=None):
+        super().__init__()
+        self.layer = layer
+        self.context_fn = context_fn
+
+    def forward(self, x):
+        kwargs = {} if self.context_fn is None else {"context_fn": self.context_fn}
+        return checkpoint(self.layer, x, use_reentrant=False, **kwargs)
+
+
+def build_stack(row, cfg):
+    factory = {"device": cfg["device"], "dtype": cfg["dtype"]}
+    h, a, r, causal = cfg["hidden"], cfg["heads"], cfg["mlp_ratio"], cfg["causal"]
+    layers = []
+    for _ in range(cfg["layers"]):
+        if row in ("none", "selective", "full"):
+            layers.append(SelectiveDecoderLayer(h, a, mlp_ratio=r, causal=causal, recompute=row, **factory))
+            continue
+        layer = EagerDecoderLayer(h, a, mlp_ratio=r, causal=causal, **factory)
+        if row == "eager-ckpt":
+            layer = Checkpointed(layer)
+        elif row == "eager-sac":
+            layer = Checkpointed(layer, memory.sac_context_fn())
+        layers.append(layer)
+    return nn.Sequential(*layers).train()
+
+
+def sync(device):
+    """Waits for the device's queued work, so wall-clock times cover it (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Step:
+    """One training step of `model` on x with output gradient gy; grads are set to None first."""
+
+    def __init__(self, model, x, gy):
+        self.model, self.x, self.gy = model, x, gy
+        self.params = list(model.parameters())
+
+    def zero(self):
+        for prm in self.params:
+            prm.grad = None
+        self.x.grad = None
+
+    def forward_backward(self):
+        self.model(self.x).backward(self.gy)
+
+    def __call__(self):
+        self.zero()
+        self.forward_backward()
+
+
+def measure_peak(step, device):
+    """Peak bytes a forward+backward allocates above what is live before it (grads None first)."""
+    step.zero()
+    if device == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step.forward_backward()
+        sync(device)
+        return torch.cuda.max_memory_allocated() - base
+    return memory.cpu_peak_bytes(step.forward_backward)
+
+
+def _time_once(step, device):
+    sync(device)
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+class Progress:
+    def __init__(self, total, enabled):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, file=sys.stderr, unit="step", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, what, n=1):
+        self.done += n
+        if self.bar is not None:
+            self.bar.set_description(what, refresh=False)
+            self.bar.update(n)
+        elif self.enabled:
+            print(f"[{self.done}/{self.total}] {what}", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def param_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def run(cfg, progress=True):
+    """Measure every row at every sequence length; returns a list of result dicts."""
+    device, rows, n = cfg["device"], cfg["rows"], cfg["layers"]
+    # CPU: the profiled step doubles as the first warm-up step. CUDA: peak after warm-up, so one-off
+    # allocations (Triton compilation, cuBLAS workspaces) stay out of it.
+    warm = max(0, cfg["warmup"] - 1) if device == "cpu" else cfg["warmup"]
+    prog = Progress(len(cfg["seqs"]) * len(rows) * (2 + warm + cfg["repeats"]), progress)
+    results = []
+    try:
+        for seq in cfg["seqs"]:
+            torch.manual_seed(cfg.get("seed", 0))
+            x = torch.randn(cfg["batch"], seq, cfg["hidden"], device=device, dtype=cfg["dtype"], requires_grad=True)
+            gy = torch.randn_like(x)
+            models = {row: build_stack(row, cfg) for row in rows}
+            steps = {row: Step(models[row], x, gy) for row in rows}
+            res = {row: {"seq": seq, "row": row} for row in rows}
+            for row in rows:
+                prog.update(f"s={seq} {row}: ledger")
+                res[row]["kept_bytes_per_layer"] = memory.ledger(models[row], x).total // n
+                res[row]["param_bytes_per_layer"] = param_bytes(models[row]) // n
+            for row in rows:
+                if device == "cpu":
+                    prog.update(f"s={seq} {row}: peak")
+                    res[row]["peak_bytes"] = measure_peak(steps[row], device)
+                for _ in range(warm):
+                    steps[row]()
+                    prog.update(f"s={seq} {row}: warmup")
+                if device != "cpu":
+                    prog.update(f"s={seq} {row}: peak")
+                    res[row]["peak_bytes"] = measure_peak(steps[row], device)
+            times = {row: [] for row in rows}
+            for _ in range(cfg["repeats"]):
+                for row in rows:
+                    times[row].append(_time_once(steps[row], device))
+                    prog.update(f"s={seq} {row}: timing")
+            for row in rows:
+                res[row]["step_s"] = statistics.median(times[row])
+                res[row]["step_s_min"] = min(times[row])
+            del models, steps
+            results += [res[row] for row in rows]
+    finally:
+        prog.close()
+    _derive(results, cfg)
+    return results
+
+
+def _derive(results, cfg):
+    """Ratios and the projected max batch / model memory columns."""
+    by = {(r["seq"], r["row"]): r for r in results}
+    L, n, B = cfg["model_layers"], cfg["layers"], cfg["batch"]
+    for r in results:
+        eager, none = by.get((r["seq"], "eager")), by.get((r["seq"], "none"))
+        r["kept_vs_eager"] = r["kept_bytes_per_layer"] / eager["kept_bytes_per_layer"] if eager else None
+        r["time_vs_eager"] = r["step_s"] / eager["step_s"] if eager else None
+        r["time_vs_none"] = r["step_s"] / none["step_s"] if none else None
+        P = r["param_bytes_per_layer"]
+        r["model_kept_bytes"] = L * r["kept_bytes_per_layer"]
+        work = max(0, r["peak_bytes"] - n * P)  # the step's peak above the gradients it allocates
+        per_sample = ((L - n) * r["kept_bytes_per_layer"] + work) / B
+        free = cfg["budget"] - 2 * L * P
+        r["max_batch"] = int(free // per_sample) if free > 0 and per_sample > 0 else 0

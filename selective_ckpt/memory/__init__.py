@@ -1,0 +1,14 @@
+"""Activation memory: what a forward keeps for backward (ledger), what it should keep (estimate),
+how high a step peaks (peak), and which recompute mode each layer can afford under a budget (plan).
+"""
+
+from ..validation import RECOMPUTE_MODES as MODES
+from .estimate import estimate, forward_flops, recompute_flops
+from .ledger import LedgerReport, SavedEntry, ledger, note_saved, sac_context_fn
+from .peak import StorageTracker, cpu_allocation_deltas, cpu_peak_bytes, running_peak
+from .planner import LayerShape, Plan, plan
+from .units import as_dtype, format_bytes
+
+__all__ = ["MODES", "LayerShape", "LedgerReport", "Plan", "SavedEntry", "StorageTracker", "as_dtype",
+           "cpu_allocation_deltas", "cpu_peak_bytes", "estimate", "format_bytes", "forward_flops", "ledger",
+           "note_saved", "plan", "recompute_flops", "running_peak", "sac_context_fn"]

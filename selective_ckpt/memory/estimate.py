@@ -1,0 +1,88 @@
+"""What a SelectiveDecoderLayer keeps for backward from its shape alone (docs/DESIGN.md, the floor),
+and the FLOPs each recompute mode spends again in backward.
+"""
+
+import torch
+
+from .. import rng
+from ..validation import check_heads, check_mode, check_positive_int, ffn_dim
+from .units import as_dtype
+
+
+def check_shape(hidden_dim, num_heads, mlp_ratio):
+    """The layer's own constructor checks, so estimates exist exactly for layers that can be built."""
+    check_heads(hidden_dim, num_heads)
+    return ffn_dim(hidden_dim, mlp_ratio)
+
+
+def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
+             dropout=0.0, attn_dropout=0.0):
+    """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
+
+    With e = element size, t = s*b tokens, h hidden, a heads, f = the layer's fc1 width and 4-byte
+    fp32 statistics (8 for float64 layers):
+      selective: t*(h + 3h + h + h + f)*e  [x, q/k/v, o, x1, fc1 out] + a*t*4 [lse] + 2*2*t*4 [LN mean, rstd]
+      none:      t*(h + h + 3h + h + h + h + 2f)*e  [adds LN1, LN2 and GELU outputs] + the same lse and stats
+      full:      t*h*e  [the layer input only]
+    Dropout keeps an 8-byte seed tensor per site that is on (rates `dropout`, `attn_dropout` as in
+    the layer, training): attention probabilities, proj output, MLP output; "full" keeps none.
+    `breakdown=True` returns a dict of the parts (bytes) instead of the total.
+    """
+    ffn = check_shape(hidden_dim, num_heads, mlp_ratio)
+    check_positive_int(seq_len, "seq_len")
+    check_positive_int(batch, "batch")
+    check_mode(recompute)
+    dtype = as_dtype(dtype)
+    e = torch.empty((), dtype=dtype).element_size()
+    acc = 8 if dtype == torch.float64 else 4
+    t = seq_len * batch
+    h = hidden_dim
+    if recompute == "full":
+        parts = {"x": t * h * e}
+    else:
+        parts = {"x": t * h * e, "qkv": 3 * t * h * e, "o": t * h * e, "x1": t * h * e, "fc1_out": t * ffn * e,
+                 "lse": num_heads * t * acc, "ln_stats": 2 * 2 * t * acc}
+        if recompute == "none":
+            parts.update(ln1_out=t * h * e, ln2_out=t * h * e, gelu_out=t * ffn * e)
+        rng.threshold(dropout, "dropout")
+        rng.threshold(attn_dropout, "attn_dropout")
+        sites = (attn_dropout > 0) + 2 * (dropout > 0)
+        if sites:
+            parts["seeds"] = 8 * sites
+    return parts if breakdown else sum(parts.values())
+
+
+# Elementwise FLOPs per element (coarse, but only their ratio to the matmuls matters for a plan).
+LN_FWD_FLOPS = 8  # mean, variance, normalise, affine
+LN_OUT_FLOPS = 4  # (x - mean) * rstd * w + b from the saved statistics
+GELU_FLOPS = 8
+SOFTMAX_FLOPS = 5  # max, subtract, exp, sum, divide
+
+
+def forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, causal=True):
+    """FLOPs of one layer forward: the four matmuls, attention (QK^T and PV, halved when causal),
+    LayerNorms, softmax, GELU and the two residual adds."""
+    ffn = check_shape(hidden_dim, num_heads, mlp_ratio)
+    t, h, s = seq_len * batch, hidden_dim, seq_len
+    c = 0.5 if causal else 1.0
+    matmul = 2 * t * h * (3 * h + h + 2 * ffn)
+    attention = 2 * 2 * t * s * h * c + SOFTMAX_FLOPS * num_heads * t * s * c
+    return int(matmul + attention + 2 * LN_FWD_FLOPS * t * h + GELU_FLOPS * t * ffn + 2 * t * h)
+
+
+def recompute_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, recompute="selective", causal=True):
+    """Extra FLOPs a mode spends in backward, over "none".
+
+    none = 0. selective = re-deriving the two LayerNorm outputs from the saved input and statistics
+    and the GELU output from the fc1 output (attention's softmax is rebuilt from logsumexp in every
+    mode, since the fused attention never stores it, so it is no extra cost of "selective"). full =
+    one more forward of the layer (`forward_flops`).
+    """
+    ffn = check_shape(hidden_dim, num_heads, mlp_ratio)
+    check_mode(recompute)
+    t = seq_len * batch
+    if recompute == "none":
+        return 0
+    if recompute == "selective":
+        return 2 * LN_OUT_FLOPS * t * hidden_dim + GELU_FLOPS * t * ffn
+    return forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio, causal)

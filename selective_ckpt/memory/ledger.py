@@ -1,0 +1,318 @@
+"""The ledger: what one forward keeps for backward, by distinct storage, per layer, module and op.
+
+`ledger(fn_or_module, *inputs)` runs one forward under saved-tensor hooks and counts the bytes
+kept for backward by distinct storage (views of one buffer count once), parameters and buffers
+excluded. Each saved tensor is attributed to the innermost module running when it was saved, to
+the op that allocated its storage and to its grad_fn. Tensors cached by PyTorch's selective
+checkpointing do not pass through saved-tensor hooks; `sac_context_fn` builds a policy that
+reports them.
+"""
+
+import contextlib
+import dataclasses
+import importlib
+from collections import OrderedDict
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .units import columns, format_bytes
+
+
+@dataclasses.dataclass
+class SavedEntry:
+    """One distinct storage kept for backward."""
+
+    shape: tuple
+    dtype: torch.dtype
+    bytes: int  # the storage's size: what stays alive, even when only a view was saved
+    module: str  # innermost module running when it was saved
+    layer: str  # innermost enclosing decoder layer, or "-" outside any
+    op: str  # the op that allocated the storage (aten/custom op name), "input" if it predates the run
+    grad_fn: str  # grad_fn class name of the saved tensor ("-" for none)
+    views: int = 1  # how many saved tensors share this storage
+
+
+class LedgerReport:
+    """Bytes kept for backward by one forward. `total`, `entries`, `by_layer`, `by_module`, `by_op`."""
+
+    def __init__(self, entries):
+        self.entries = list(entries)
+        self.total = sum(e.bytes for e in self.entries)
+
+    def _group(self, key):
+        out = OrderedDict()
+        for e in self.entries:
+            out[getattr(e, key)] = out.get(getattr(e, key), 0) + e.bytes
+        return out
+
+    @property
+    def by_layer(self):
+        """Bytes per decoder layer (SelectiveDecoderLayer / EagerDecoderLayer by default), in call order."""
+        return self._group("layer")
+
+    @property
+    def by_module(self):
+        return self._group("module")
+
+    @property
+    def by_op(self):
+        return self._group("op")
+
+    def table(self) -> str:
+        head = ("layer", "module", "op", "grad_fn", "shape", "dtype", "views", "bytes")
+        rows = [(e.layer, e.module, e.op, e.grad_fn, "x".join(map(str, e.shape)) or "scalar",
+                 str(e.dtype).replace("torch.", ""), str(e.views), str(e.bytes)) for e in self.entries]
+        pad = ("",) * (len(head) - 2)
+        rows.append(("total", *pad, f"{self.total} ({format_bytes(self.total)})"))
+        layers = self.by_layer
+        if len(layers) > 1 or "-" not in layers:
+            rows += [("",) * len(head)]
+            rows += [(f"layer {k}", *pad, f"{v} ({format_bytes(v)})") for k, v in layers.items()]
+        return "\n".join(columns(head, rows, right={len(head) - 1}))
+
+    __str__ = table
+
+    def __repr__(self):
+        return f"LedgerReport(total={self.total}, entries={len(self.entries)}, by_layer={dict(self.by_layer)})"
+
+
+_ACTIVE = []  # the ledgers recording now (innermost last); note_saved reports to the innermost
+
+
+def _default_layer_types():
+    types = []
+    for mod, name in (("layers", "SelectiveDecoderLayer"), ("models.eager", "EagerDecoderLayer")):
+        try:
+            module = importlib.import_module(f"selective_ckpt.{mod}")
+            types.append(getattr(module, name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def storage_key(t):
+    try:
+        st = t.untyped_storage()
+        ptr, nbytes = st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # no plain storage (subclass, sparse)
+        return ("id", id(t)), t.numel() * t.element_size()
+    if ptr == 0:  # meta or empty: no address to share
+        return ("id", id(t)), nbytes
+    return (t.device.type, t.device.index, ptr), nbytes
+
+
+class _Producers(torch.utils._python_dispatch.TorchDispatchMode):
+    """Remembers which op allocated each storage during the ledger's forward (saved LayerNorm
+    statistics and custom-op outputs have no grad_fn to name them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_key = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {storage_key(a)[0] for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)[0]
+                if key not in inputs:
+                    self.by_key[key] = _op_name(func)
+        return out
+
+
+def _op_name(func):
+    name = getattr(func, "_schema", None)
+    name = name.name if name is not None else getattr(func, "__name__", str(func))
+    return name.replace("::", ".")
+
+
+class _Recorder:
+    def __init__(self, root, names_from, layer_types, exclude):
+        self.layer_types = tuple(layer_types)
+        self.names = {}
+        if isinstance(names_from, nn.Module):
+            self.names = {id(m): (name or type(names_from).__name__) for name, m in names_from.named_modules()}
+        self.counts = {}
+        self.stack = []
+        self.excluded = set()
+        self.seen_modules = set()
+        self.entries = OrderedDict()
+        self.producers = None
+        self.sac_modes = []  # selective-checkpoint caching modes created while recording
+        self.keep_alive = []  # saved tensors stay referenced so no storage address is reused mid-run
+        for obj in exclude:
+            if isinstance(obj, nn.Module):
+                self._exclude_module(obj)
+            elif isinstance(obj, torch.Tensor):
+                self.excluded.add(storage_key(obj)[0])
+            else:
+                raise TypeError(f"exclude must hold modules or tensors, got {type(obj).__name__}")
+        for m in (root, names_from):
+            if isinstance(m, nn.Module):
+                self._exclude_module(m)
+
+    def _exclude_module(self, module):
+        for t in list(module.parameters()) + list(module.buffers()):
+            self.excluded.add(storage_key(t)[0])
+
+    def name(self, module):
+        if id(module) not in self.names:
+            cls = type(module).__name__
+            self.counts[cls] = self.counts.get(cls, 0) + 1
+            self.names[id(module)] = f"{cls}#{self.counts[cls] - 1}"
+        return self.names[id(module)]
+
+    def pre_hook(self, module, args):
+        if id(module) not in self.seen_modules:
+            self.seen_modules.add(id(module))
+            self._exclude_module(module)
+        self.stack.append(module)
+
+    def post_hook(self, module, args, output):
+        # pop the matching frame (robust to a module whose forward raised inside)
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i] is module:
+                del self.stack[i:]
+                break
+
+    def where(self):
+        module = self.name(self.stack[-1]) if self.stack else "-"
+        layer = next((self.name(m) for m in reversed(self.stack) if isinstance(m, self.layer_types)), "-")
+        return module, layer
+
+    def add(self, t, op=None):
+        if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
+            return
+        key, nbytes = storage_key(t)
+        if key in self.excluded:
+            return
+        if key in self.entries:
+            self.entries[key].views += 1
+            return
+        if nbytes == 0:
+            return
+        fn = t.grad_fn
+        grad_fn = type(fn).__name__ if fn is not None else "-"
+        if op is None:
+            op = self.producers.by_key.get(key) if self.producers is not None else None
+            op = op or (grad_fn if fn is not None else "input")
+        module, layer = self.where()
+        self.entries[key] = SavedEntry(tuple(t.shape), t.dtype, nbytes, module, layer, op, grad_fn)
+        self.keep_alive.append(t)
+
+    def pack(self, t):
+        self.add(t)
+        # A detached alias: returning t itself would make an output and its grad_fn a reference
+        # cycle that outlives the ledger until the garbage collector runs. The ledger never runs
+        # backward, so the unpacked value only needs the same storage.
+        return t.detach()
+
+
+def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), track_ops=True, **kwargs) -> LedgerReport:
+    """Run `fn_or_module(*inputs, **kwargs)` once with grad enabled and report what it keeps for backward.
+
+    Counting is by distinct storage (`untyped_storage().data_ptr()`), so q, k and v saved as views
+    of one qkv buffer count once, at the buffer's size. Parameters and buffers of every module that
+    runs are excluded (and anything in `exclude`: modules or tensors). Inputs count when they are
+    saved (a LayerNorm keeps its input). Each entry names the innermost module running when the
+    tensor was saved (names from `model`, default fn_or_module when it is a module), the innermost
+    enclosing layer of `layer_types` (default: SelectiveDecoderLayer and EagerDecoderLayer), the op
+    that allocated the storage (found by a dispatch mode; `track_ops=False` skips it and names the
+    grad_fn only) and the saved tensor's grad_fn.
+
+    torch.utils.checkpoint(use_reentrant=False) saves its region's inputs through the same hooks,
+    so a checkpointed region shows exactly its positional tensor inputs (tensors passed to
+    checkpoint as keyword arguments are held by reference, outside the hooks, and not counted);
+    what runs inside it is not kept and is not counted. Outputs cached by selective checkpointing
+    bypass the hooks: use `sac_context_fn`, which reports them here. The forward's outputs are
+    dropped before returning, so the graph and its saved tensors are freed.
+    """
+    if not callable(fn_or_module):
+        raise TypeError(f"fn_or_module must be a module or a callable, got {type(fn_or_module).__name__}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module (used for names), got {type(model).__name__}")
+    if layer_types is None:
+        layer_types = _default_layer_types()
+    rec = _Recorder(fn_or_module, model if model is not None else fn_or_module, layer_types, exclude)
+    register_pre = nn.modules.module.register_module_forward_pre_hook
+    register_post = nn.modules.module.register_module_forward_hook
+    handles = [register_pre(rec.pre_hook)]
+    try:
+        handles.append(register_post(rec.post_hook, always_call=True))
+    except TypeError:  # older torch: no always_call
+        handles.append(register_post(rec.post_hook))
+    _ACTIVE.append(rec)
+    try:
+        with contextlib.ExitStack() as stack:
+            if track_ops:
+                rec.producers = stack.enter_context(_Producers())
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t))
+            out = fn_or_module(*inputs, **kwargs)
+            for mode in rec.sac_modes:  # what selective checkpointing cached and the policy did not report
+                for leaf in tree_flatten(list(_sac_cache(mode)))[0]:
+                    rec.add(getattr(leaf, "val", leaf), op="sac:cached")
+            del out
+    finally:
+        _ACTIVE.remove(rec)
+        for h in handles:
+            h.remove()
+    report = LedgerReport(rec.entries.values())
+    rec.keep_alive.clear()
+    return report
+
+
+def note_saved(tensors, op):
+    """Report tensors kept for backward outside saved-tensor hooks to the running ledger (if any)."""
+    if _ACTIVE:
+        for t in tree_flatten(tensors)[0]:
+            _ACTIVE[-1].add(t, op=op)
+
+
+def _matmul_ops():
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    return [getattr(aten, n).default for n in names if hasattr(aten, n)]
+
+
+def sac_context_fn(ops=None):
+    """A `context_fn` for torch.utils.checkpoint(use_reentrant=False) that saves the outputs of `ops`
+    (default: the matmuls mm/addmm/bmm/baddbmm and SDPA kernels) and recomputes everything else,
+    PyTorch's selective activation checkpointing. The outputs it caches are reported to a running
+    `ledger`, which would not see them otherwise.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = frozenset(_matmul_ops() if ops is None else ops)
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in save:
+            if not ctx.is_recompute:
+                out = getattr(ctx, "op_output", None)  # not in every torch version
+                if out is not None:
+                    note_saved(out, f"sac:{op.__name__}")
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context_fn():
+        forward_mode, recompute_mode = create_selective_checkpoint_contexts(policy)
+        if _ACTIVE:  # without op_output, the ledger reads the cache after the forward instead
+            _ACTIVE[-1].sac_modes.append(forward_mode)
+        return forward_mode, recompute_mode
+
+    return context_fn
+
+
+def _sac_cache(mode):
+    """The outputs a selective-checkpoint caching mode holds (a private attribute: empty if absent)."""
+    storage = getattr(mode, "storage", None)
+    if not isinstance(storage, dict):
+        return []
+    out = []
+    for entry in storage.values():
+        out += list(entry.values()) if isinstance(entry, dict) else list(entry)
+    return out

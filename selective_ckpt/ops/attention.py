@@ -1,0 +1,207 @@
+"""Fused attention-softmax-dropout that keeps only q, k, v, o, the row logsumexp and a seed.
+
+Neither forward nor backward stores anything of size Sq x Sk: backward rebuilds the softmax from
+the logsumexp and the dropout mask from the seed (docs/DESIGN.md, "Attention semantics" and "The
+dropout contract"). The forward op returns o, a [B, H, Sq, D] view of a contiguous [B, Sq, H, D]
+buffer, and the row logsumexp (fp32 [B, H, Sq], +inf where a row attends nothing). k and v may have
+fewer heads than q (grouped-query attention); they are never expanded.
+"""
+
+import math
+import weakref
+from typing import Optional
+
+import torch
+
+from .. import backend, rng
+from ..validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool
+
+
+def _output(q):
+    B, H, Sq, D = q.shape
+    return torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
+
+
+@torch.library.custom_op("selective_ckpt::attention_fwd", mutates_args=())
+def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+                     cu_seqlens: Optional[torch.Tensor], causal: bool, sliding_window: int, dropout_p: float,
+                     softmax_scale: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, Sq, _ = q.shape
+    o = _output(q)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    t16, ks = rng.kernel_constants(dropout_p)
+    backend.call("attention", "forward", q, k, v, o, lse, mask, cu_seqlens, causal, sliding_window, softmax_scale,
+                 seed, t16, ks)
+    return o, lse
+
+
+@attention_fwd_op.register_fake
+def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed):
+    B, H, Sq, _ = q.shape
+    return _output(q), q.new_empty(B, H, Sq, dtype=torch.float32)
+
+
+@torch.library.custom_op("selective_ckpt::attention_bwd", mutates_args=())
+def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                     lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                     causal: bool, sliding_window: int, dropout_p: float, softmax_scale: float,
+                     seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do = do.contiguous()  # a grad from .sum().backward() has stride 0
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    t16, ks = rng.kernel_constants(dropout_p)
+    backend.call("attention", "backward", do, q, k, v, o, lse.contiguous(), mask, cu_seqlens, causal, sliding_window,
+                 softmax_scale, seed, t16, ks, dq, dk, dv)
+    return dq, dk, dv
+
+
+@attention_bwd_op.register_fake
+def _(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p, ctx.softmax_scale, seed = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, mask, cu_seqlens, seed)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, mask, cu_seqlens, seed = ctx.saved_tensors
+    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p,
+                                  ctx.softmax_scale, seed)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 ([B, H, S, D]), got shape {list(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"q, k and v must share one dtype: q is {q.dtype}, {name} is {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"q, k and v must be on one device: q is on {q.device}, {name} on {t.device}")
+    B, H, Sq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must have shape [B={B}, Hkv, Sk, D={D}] like q, got {list(k.shape)}")
+    if k.shape[1] < 1 or H % k.shape[1]:
+        raise ValueError(f"k and v must have a number of heads Hkv that divides q's H={H} (grouped-query "
+                         f"attention: query head h reads kv head h // (H // Hkv)), got Hkv={k.shape[1]}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {list(k.shape)}, got {list(v.shape)}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim D (the last dim of q, k, v) must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if Sq < 1 or k.shape[2] < 1 or B < 1 or H < 1:
+        raise ValueError(f"B, H, Sq and Sk must be at least 1, got q {list(q.shape)} and k {list(k.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+
+
+def _check_mask(mask, q, k):
+    if mask is None:
+        return None
+    B, Sk = q.shape[0], k.shape[2]
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be a bool torch.Tensor [B, Sk] or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be a bool tensor (True = attend), got {mask.dtype}")
+    if tuple(mask.shape) != (B, Sk):
+        raise ValueError(f"key_padding_mask must have shape [B={B}, Sk={Sk}], got {list(mask.shape)}")
+    if mask.device != q.device:
+        raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {mask.device}")
+    return mask
+
+
+def _check_window(sliding_window):
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int (query i attends keys j > i - sliding_window) "
+                         f"or None, got {sliding_window!r}")
+    return sliding_window
+
+
+_CHECKED_CU_SEQLENS = [None]  # (weakref, version, S) of the last cu_seqlens checked: models pass one per layer
+
+
+def _check_cu_seqlens(cu_seqlens, q, k, mask):
+    """cu_seqlens as int32 [n + 1] offsets 0 = c0 <= ... <= cn = S on q's device, or the error naming it."""
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be an int32 torch.Tensor [n + 1] or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be an int32 (or int64) tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 offsets, got shape {list(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    B, _, S, _ = q.shape
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs the documents packed into one row (B = 1), got B={B}")
+    if k.shape[2] != S:
+        raise ValueError(f"cu_seqlens needs q, k and v of one length (packed self-attention), got Sq={S}, "
+                         f"Sk={k.shape[2]}")
+    if mask is not None:
+        raise ValueError("key_padding_mask and cu_seqlens cannot be combined: packed documents carry no padding")
+    last = _CHECKED_CU_SEQLENS[0]
+    if not (last is not None and last[0]() is cu_seqlens and last[1:] == (cu_seqlens._version, S)):
+        offsets = cu_seqlens.tolist()  # one read per distinct tensor (a model hands every layer the same one)
+        if offsets[0] != 0 or offsets[-1] != S:
+            raise ValueError(f"cu_seqlens must start at 0 and end at S={S}, got {offsets[0]} ... {offsets[-1]}")
+        if any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+        if not cu_seqlens.is_inference():
+            _CHECKED_CU_SEQLENS[0] = (weakref.ref(cu_seqlens), cu_seqlens._version, S)
+    return cu_seqlens.to(torch.int32).contiguous()
+
+
+def _check_scale(softmax_scale, D):
+    if softmax_scale is None:
+        return D**-0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padding_mask=None, seed=None, *,
+              sliding_window=None, cu_seqlens=None):
+    """softmax(q k^T * softmax_scale + masks), dropped out, times v: o [B, H, Sq, D].
+
+    q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H % Hkv == 0 (query head h reads kv head
+    h // (H // Hkv); k and v are never expanded), one dtype (fp32, fp16, bf16), any strides with a
+    contiguous last dim. `causal` lets query i attend keys j <= i (top-left, like PyTorch's
+    is_causal); `sliding_window=w` also requires j > i - w (Mistral's convention);
+    `key_padding_mask` [B, Sk] bool, True = attend; `cu_seqlens` int32 [n + 1] (0 ... S) packs n
+    documents into one row (B = 1, Sq = Sk = S): queries attend only keys of their own document,
+    causal and window measured inside it. Rows with nothing to attend give 0.
+    `dropout_p` drops normalised probabilities with the contract's mask; `seed=None` draws one from
+    torch's generator when dropout_p > 0. The result is a view of a contiguous [B, Sq, H, D] buffer.
+    """
+    _check_qkv(q, k, v)
+    check_bool(causal, "causal")
+    rng.threshold(dropout_p, "dropout_p")
+    mask = _check_mask(key_padding_mask, q, k)
+    window = _check_window(sliding_window)
+    cu_seqlens = _check_cu_seqlens(cu_seqlens, q, k, mask)
+    scale = _check_scale(softmax_scale, q.shape[-1])
+    if dropout_p > 0:
+        seed = rng.seed_arg(seed, q.device)
+    else:
+        if seed is not None:
+            rng.seed_arg(seed)  # validated all the same
+        seed = None  # no mask is drawn; torch's generator is left untouched
+    o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed)
+    return o

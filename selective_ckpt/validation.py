@@ -1,0 +1,67 @@
+"""Argument checks shared by the ops, the layers, the memory tools and the model integrations.
+
+Each check raises TypeError or ValueError naming the argument and what is expected.
+"""
+
+import torch
+
+# dtypes the public functions and layers accept; the kernels also take float64 (tests, references).
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KERNEL_DTYPES = SUPPORTED_DTYPES + (torch.float64,)
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+MAX_HEAD_DIM = 256
+
+
+def check_floating(t, name):
+    """t is a tensor of a dtype the kernels run (float32, float16, bfloat16, float64)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
+
+
+def check_bool(value, name):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_positive_float(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive float, got {value!r}")
+    return float(value)
+
+
+def check_mode(mode):
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {mode!r}")
+    return mode
+
+
+def check_heads(hidden_dim, num_heads):
+    """head_dim of a layer with these sizes, or the error naming what does not fit."""
+    check_positive_int(hidden_dim, "hidden_dim")
+    check_positive_int(num_heads, "num_heads")
+    if hidden_dim % num_heads:
+        raise ValueError(f"hidden_dim ({hidden_dim}) must be divisible by num_heads ({num_heads})")
+    head_dim = hidden_dim // num_heads
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head dim hidden_dim / num_heads = {head_dim} is not supported: at most {MAX_HEAD_DIM}")
+    return head_dim
+
+
+def ffn_dim(hidden_dim, mlp_ratio):
+    """The MLP width a layer builds for `mlp_ratio` (rounded to the nearest int)."""
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not mlp_ratio > 0:
+        raise ValueError(f"mlp_ratio must be a positive number, got {mlp_ratio!r}")
+    ffn = int(round(hidden_dim * mlp_ratio))
+    if ffn < 1:
+        raise ValueError(f"mlp_ratio={mlp_ratio} gives an empty MLP for hidden_dim={hidden_dim}")
+    return ffn
