@@ -1,8 +1,10 @@
-"""The Triton attention entry points (attention_contract.md), called directly on CPU tensors under
-the interpreter, against float64 eager attention built here: causal, sliding window, key padding,
-per-document (cu_seqlens) masks, GQA, dropout from rng.attention_keep_mask, strided (packed)
-q/k/v and dq/dk/dv. Judged by tests/reference.py's rule against plain PyTorch in the same dtype.
-Tiny shapes: the interpreter is slow."""
+"""The Triton attention entry points (the attention kernel contract), called directly: on CPU
+tensors under the interpreter and, marked `cuda`, compiled on a GPU. Against float64 eager
+attention built here: causal, sliding window, key padding, per-document (cu_seqlens) masks, GQA,
+dropout from rng.attention_keep_mask, strided (packed) q/k/v and dq/dk/dv; judged by
+tests/reference.py's rule against plain PyTorch in the same dtype. Tiny shapes: the interpreter is
+slow. On a GPU also: a grid with B*H > 65535 and a CUDA graph of a whole SelectiveDecoderLayer
+training step with dropout (the kernels read seeds from device memory: no host sync)."""
 
 import math
 
@@ -12,7 +14,9 @@ import torch
 from selective_ckpt import rng
 from tests.reference import assert_within_rule
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors runs interpreted only")
+# Triton on CPU tensors runs interpreted, which conftest turns on only without a GPU; with one, the
+# cuda-marked tests at the end run the compiled kernels on the same cases.
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors runs interpreted only")
 
 
 def _tk():
@@ -109,6 +113,7 @@ CASES = {
 }
 
 
+@interpreted
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_attention_against_float64(name):
     B, H, Hkv, Sq, Sk, D, dtype, causal, window, padding, docs, p, packed = CASES[name]
@@ -146,6 +151,7 @@ def test_triton_attention_against_float64(name):
         assert torch.equal(a, b), "repeat is not bit-identical"
 
 
+@interpreted
 def test_dropout_tile_expansion_is_the_contract_mask():
     """One Philox call per 8 columns, spread by join/reshape (and the dK/dV kernel's transposed form)."""
     from selective_ckpt.triton_kernels import philox
@@ -159,6 +165,7 @@ def test_dropout_tile_expansion_is_the_contract_mask():
         assert torch.equal(out.bool(), want), (bm, bn, trans)
 
 
+@interpreted
 def test_no_dropout_never_reads_the_seed():
     """Dropout off: the seed argument is None and the kernels run (nothing to read)."""
     q, k, v = inputs(1, 1, 1, 16, 16, 16, torch.float32)
@@ -168,6 +175,7 @@ def test_no_dropout_never_reads_the_seed():
     assert (o.double() - ref).abs().max() < 2e-5
 
 
+@interpreted
 def test_nan_key_propagates_like_sdpa():
     q, k, v = inputs(1, 1, 1, 16, 16, 16, torch.float32)
     k[0, 0, 3, 0] = float("nan")
@@ -176,3 +184,107 @@ def test_nan_key_propagates_like_sdpa():
     lse = torch.empty(1, 1, 16)
     tk.forward(q, k, v, o, lse, None, None, True, 0, 0.25, None, 0, 1.0)
     assert torch.isfinite(o[0, 0, :3]).all() and torch.isnan(o[0, 0, 3:]).all(1).all()
+
+
+# ---- compiled kernels on a GPU (run by bench/gpu.sh) ----
+
+def _run_case(name, device="cuda"):
+    from selective_ckpt.triton_kernels import attention as tk
+    from selective_ckpt.triton_kernels.philox import seed_tensor
+
+    B, H, Hkv, Sq, Sk, D, dtype, causal, window, padding, docs, p, packed = CASES[name]
+    q, k, v = (x.to(device) for x in inputs(B, H, Hkv, Sq, Sk, D, dtype, packed))
+    pad = None
+    if padding:
+        pad = torch.rand(B, Sk, generator=torch.Generator().manual_seed(5)) > 0.3
+        pad[:, 0] = True
+        pad[0] = False
+        pad = pad.to(device)
+    cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32) if docs else None
+    seed, scale = 0xDEAD_BEEF_1234_5678, D**-0.5
+    grad = torch.randn(B, H, Sq, D, generator=torch.Generator().manual_seed(7))
+    o = torch.empty(B, Sq, H, D, dtype=dtype, device=device).permute(0, 2, 1, 3)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=device)
+    t16, ks = rng.threshold(p), rng.keep_scale(p)
+    sd = seed_tensor(seed, device) if p > 0 else None
+    cud = cu.to(device) if cu is not None else None
+    tk.forward(q, k, v, o, lse, pad, cud, causal, window, scale, sd, t16, ks)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    tk.backward(grad.to(device, dtype).contiguous(), q, k, v, o, lse, pad, cud, causal, window, scale, sd, t16, ks,
+                dq, dk, dv)
+    kw = dict(causal=causal, window=window, pad=pad.cpu() if pad is not None else None, cu=cu, p=p, seed=seed,
+              scale=scale)
+    cpu = [x.cpu() for x in (q, k, v)]
+    plain = grads_of(lambda a, b, c: eager(a.float(), b.float(), c.float(), **kw).to(dtype), *cpu, grad)
+    ref = grads_of(lambda a, b, c: eager(a, b, c, **kw), *(x.double() for x in cpu), grad.double())
+    for nm, x, e, r, factor in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), plain, ref, (2, 3, 3, 3)):
+        # fp32 eager on the CPU is the comparator for 16-bit too: the GPU kernels accumulate in fp32
+        assert_within_rule(x.cpu(), e.to(x.dtype), r, factor, floor=1e-2 if dtype != torch.float32 else 1e-4,
+                           name=nm)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["fp32-causal-pad-drop", "bf16-causal-window-drop-d24", "fp16-gqa-causal-drop-even",
+                                  "bf16-varlen-gqa-causal-window-drop", "fp16-packed", "bf16-mqa-drop-empty-row"])
+def test_compiled_kernels_against_float64(name):
+    _run_case(name)
+
+
+@pytest.mark.cuda
+def test_more_than_65535_batch_heads():
+    from selective_ckpt.triton_kernels import attention as tk
+
+    B, H, S, D = 2, 33000, 16, 16
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    o, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
+    tk.forward(q, k, v, o, lse, None, None, True, 0, D**-0.5, None, 0, 1.0)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (o.float() - want.float()).abs().max() < 1e-2
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_a_training_step_with_dropout():
+    import selective_ckpt
+
+    torch.manual_seed(0)
+    layer = selective_ckpt.SelectiveDecoderLayer(256, 4, dropout=0.1, attn_dropout=0.1, device="cuda",
+                                                 dtype=torch.bfloat16)
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn_like(x)
+
+    def step():
+        y = layer(x)
+        y.backward(gy)
+        return y
+
+    def grads():
+        return [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: compile kernels, settle the allocator
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in [*layer.parameters(), x]:
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = step()
+
+    for s in (1, 2):
+        torch.manual_seed(s)
+        graph.replay()
+        torch.cuda.synchronize()
+        got_y, got = y_graph.clone(), grads()
+        for p in [*layer.parameters(), x]:
+            p.grad = None
+        torch.manual_seed(s)
+        want_y = step()
+        want = grads()
+        assert torch.equal(got_y, want_y), f"seed {s}: output differs"
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), f"seed {s}: a gradient differs"
+        for p in [*layer.parameters(), x]:
+            p.grad = None
+        # the graph's own gradient buffers were overwritten by the replay, not accumulated
