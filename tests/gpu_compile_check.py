@@ -233,20 +233,9 @@ def exercise_dropout():
                 dropout.forward(x, torch.empty_like(x), rows, cols, seed, 6554, 65536 / (65536 - 6554))
 
 
-def _family(*names):
-    """The first of the module names that exists under selective_ckpt.triton_kernels."""
-    import importlib
-
-    for name in names:
-        try:
-            return importlib.import_module(f"selective_ckpt.triton_kernels.{name}")
-        except ModuleNotFoundError:
-            continue
-    raise ModuleNotFoundError(names)
-
-
 def exercise_layer_norm():
-    ln = _family("layer_norm", "layernorm")
+    from selective_ckpt.triton_kernels import layer_norm as ln
+
     for dtype in DTYPES.values():
         for n in (64, 4096):
             rows = 8
@@ -256,31 +245,19 @@ def exercise_layer_norm():
                 for bias in (b, None):
                     ln.forward(x, w, bias, torch.empty_like(x), stat, torch.empty_like(stat), rows, n, 1e-5)
                     ln.apply(x, w, bias, torch.empty_like(x), stat, stat, rows, n)
-                _layer_norm_backward(ln, x, w, stat, rows, n)
-
-
-def _layer_norm_backward(ln, x, w, stat, rows, n):
-    import inspect
-
-    params = list(inspect.signature(ln.backward).parameters)
-    if "dw" in params:  # backward(dy, x, mean, rstd, w, dx, dw, db, rows, n)
-        ln.backward(torch.empty_like(x), x, stat, stat, w, torch.empty_like(x), torch.empty_like(w),
-                    torch.empty_like(w), rows, n)
-    else:  # partial sums per program
-        progs = -(-rows // ln.ROWS_PER_PROG)
-        pw = torch.empty(progs, n, dtype=torch.float32)
-        ln.backward(torch.empty_like(x), x, stat, stat, w, torch.empty_like(x), pw, torch.empty_like(pw), rows, n)
+                ln.backward(torch.empty_like(x), x, stat, stat, w, torch.empty_like(x), torch.empty_like(w),
+                            torch.empty_like(w), rows, n)
 
 
 def exercise_gelu():
-    g = _family("gelu", "mlp")
-    fwd = getattr(g, "forward", None) or g.gelu
+    from selective_ckpt.triton_kernels import gelu
+
     for dtype in DTYPES.values():
         for approximate in (0, 1):
             h = torch.empty(4096 * 4, dtype=dtype)
             with label(case="tanh" if approximate else "erf"):
-                fwd(h, torch.empty_like(h), h.numel(), approximate)
-                g.gelu_backward_(torch.empty_like(h), h, h.numel(), approximate)
+                gelu.forward(h, torch.empty_like(h), h.numel(), approximate)
+                gelu.backward_(torch.empty_like(h), h, h.numel(), approximate)
 
 
 def exercise_philox():

@@ -1,6 +1,7 @@
 """Flash-style attention with fused softmax and dropout (GPU path; also runs interpreted on CPU).
 
-Entry points and semantics: /work/specs/attention_contract.md (shared with the C++ backend).
+Entry points and semantics: the attention kernel contract shared with the C++ backend (docs/DESIGN.md,
+"Attention semantics"; forward/backward argument lists as selective_ckpt/ops/attention.py calls them).
 
 Forward: online softmax over key blocks in base 2 (scale * log2(e) folded into the logits), dropout
 on P after the row statistics, o normalised at the end, natural-log logsumexp stored (+inf for an
@@ -253,8 +254,8 @@ def _delta_kernel(OUT, DO, DELTA, sob, soh, som, sdb, sdh, sdm, H, Sq, D: tl.con
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, kb, vb, q_base, do_base, lse_base, delta_base, sqm, sdm, b_lo, b_hi, c0, cols, dsk, dek, pad,
-                 Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2,
+def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sdh, sqm, sdm, G, b_lo, b_hi, c0, cols,
+                 dsk, dek, pad, Sq, Sk, window, k0, k1, bh_head, t16, keep_scale, scale_log2,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                  HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr):
@@ -262,8 +263,17 @@ def _dkdv_blocks(dk, dv, kb, vb, q_base, do_base, lse_base, delta_base, sqm, sdm
     EVEN_D: tl.constexpr = BLOCK_D == D
     CHECK: tl.constexpr = MASKED and not EVEN_M
     dims = tl.arange(0, BLOCK_D)
-    for blk in range(b_lo, b_hi):
-        start = blk * BLOCK_M
+    # One flat loop over (query head of the group, query block), heads in order: a nested head loop
+    # around the block loop kept more live across iterations and spilled; this is the G == 1 loop.
+    n_blk = b_hi - b_lo
+    for it in range(0, G * n_blk):
+        hh = it // n_blk
+        start = (b_lo + it - hh * n_blk) * BLOCK_M
+        q_base = q_head + hh * sqh
+        do_base = do_head + hh * sdh
+        lse_base = LSE + stat_head + hh * Sq
+        delta_base = DELTA + stat_head + hh * Sq
+        bh = bh_head + hh
         rows = start + tl.arange(0, BLOCK_M)
         q = _load_rows(q_base, rows, sqm, Sq, dims, D, CHECK, EVEN_D)
         do = _load_rows(do_base, rows, sdm, Sq, dims, D, CHECK, EVEN_D)
@@ -346,25 +356,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for hh in range(0, G):  # the query heads of this kv head, in order: deterministic reduction
-        h = kvh * G + hh
-        bh = b * H + h
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdb + h * sdh
-        lse_base = LSE + bh * Sq
-        delta_base = DELTA + bh * Sq
-        args = (q_base, do_base, lse_base, delta_base, sqm, sdm)
-        rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2)
-        if CAUSAL or WINDOW or VARLEN or not EVEN_M:
-            dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
-            dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
-            dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
-        else:
-            dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+    h0 = kvh * G  # the group's first query head; its G heads are reduced in order (deterministic)
+    args = (Q + b * sqb + h0 * sqh, DO + b * sdb + h0 * sdh, (b * H + h0) * Sq, DELTA, LSE, sqh, sdh, sqm, sdm, G)
+    rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, k0, k1, b * H + h0, t16, keep_scale, scale_log2)
+    if CAUSAL or WINDOW or VARLEN or not EVEN_M:
+        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+    else:
+        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
     _store_rows(DK + b * sdkb + kvh * sdkh, cols, sdkn, Sk, dims, dk * scale, D, not EVEN_N, EVEN_D)
     _store_rows(DV + b * sdvb + kvh * sdvh, cols, sdvn, Sk, dims, dv, D, not EVEN_N, EVEN_D)
 
@@ -471,23 +475,19 @@ INTERPRETER_BLOCKS = (16, 16)
 
 def _tiles(kernel, block_d, wide, causal, dropout):
     # Measured (tests/gpu_compile_check.py): dropout's Philox and mask expansion add ~40 registers
-    # per thread, so the dropout variants take more warps or shorter query blocks where the plain
-    # tile would spill; causal ones are the tightest (three block loops in one kernel).
+    # per thread, so dK/dV's dropout variants take 16/32-row query blocks where the plain tile would
+    # spill; the forward takes 8 warps (with 4 the D=64 causal and document variants spilled).
+    # fp32 uses IEEE dots, which Hopper runs on FMA units with whole operand rows per thread: only
+    # small tiles stay out of local memory there.
+    if wide:
+        return (16, 32, 4, 1) if kernel == "dkdv" else (16, 16, 4, 1)
     if kernel == "fwd":
-        if wide:
-            return (64, 32, 4, 2) if block_d <= 64 else (64, 32, 8, 2)
-        if block_d <= 64:
-            return (128, 64, 8 if dropout else 4, 3)
         return (128, 64, 8, 3) if block_d <= 128 else (64, 32, 8, 2)
     if kernel == "dq":
-        if wide:
-            return (64, 32, 4, 2) if block_d <= 64 else (32, 32, 4, 2)
         if block_d <= 64:
             return (128, 64, 8, 3)
         return (128, 32, 8, 2) if block_d <= 128 else (64, 32, 8, 2)
     # dkdv: a tall key block (two fp32 accumulators) resident, query blocks streamed
-    if wide:
-        return (32, 64, 4, 2) if block_d <= 64 else (32, 32, 4, 2)
     if block_d <= 64:
         return (32, 128, 8, 3) if dropout else (64, 128, 8, 3)
     if block_d <= 128:
