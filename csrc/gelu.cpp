@@ -63,28 +63,42 @@ inline float normal_cdf_f(float x) {
   return x < 0.0f ? half_erfc : 1.0f - half_erfc;
 }
 
-// s = sigmoid(2u) = (1 + tanh(u)) / 2 of the tanh form; *e = exp(-2u), so that 1 - s = e * s
-// without cancellation.
-inline float tanh_gate_f(float x, float* e) {
-  const float u = float(kSqrt2OverPi) * (x + float(kTanhCubic) * x * x * x);
-  *e = fast_expf(-2.0f * u);
-  return 1.0f / (1.0f + *e);
+// The tanh form's gate s = sigmoid(v), v = 2u, and s (1 - s), both from e = exp(-|v|): neither
+// cancels, and once the gate saturates (|v| > 87.3) fast_expf gives e = 0 exactly, so s is exactly
+// 0 or 1 and s (1 - s) exactly 0. A clamped exp would leave s (1 - s) near 1e-38 for the derivative's
+// cubic term to blow up (gelu'(-1e15) came out -1.3e6 instead of 0).
+inline float tanh_v_f(float x) { return float(2 * kSqrt2OverPi) * (x + float(kTanhCubic) * x * x * x); }
+
+inline float tanh_gate_f(float x, float* s_1ms) {
+  const float v = tanh_v_f(x);
+  const float e = fast_expf(v < 0.0f ? v : -v);
+  const float r = 1.0f / (1.0f + e);
+  *s_1ms = e * r * r;
+  return v < 0.0f ? e * r : r;
+}
+
+// Past |x| = 20 the gate is saturated (|v| > 600), so u' is only needed inside; clamping x there
+// keeps x^2 from overflowing to inf (inf * 0 = NaN) at huge finite inputs.
+inline float tanh_du_f(float x) {
+  const float xc = x < -20.0f ? -20.0f : (x > 20.0f ? 20.0f : x);
+  return float(kSqrt2OverPi) * (1.0f + float(3 * kTanhCubic) * xc * xc);
 }
 
 template <bool kTanh>
 inline float gelu_f(float x) {
-  float e;
-  return x * (kTanh ? tanh_gate_f(x, &e) : normal_cdf_f(x));
+  float s_1ms;
+  return x * (kTanh ? tanh_gate_f(x, &s_1ms) : normal_cdf_f(x));
 }
 
 // d/dx x * Phi(x) = Phi(x) + x phi(x);  d/dx x * s(x), s = sigmoid(2u): s + x * 2 s (1 - s) u'.
+// x multiplies last, so x = +-inf gives NaN there as eager does, and any finite x in a saturated
+// tail gives exactly s.
 template <bool kTanh>
 inline float gelu_grad_f(float x) {
   if (kTanh) {
-    float e;
-    const float s = tanh_gate_f(x, &e);
-    const float du = float(kSqrt2OverPi) * (1.0f + float(3 * kTanhCubic) * x * x);
-    return s + x * 2.0f * s * (e * s) * du;
+    float s_1ms;
+    const float s = tanh_gate_f(x, &s_1ms);
+    return s + x * (2.0f * s_1ms * tanh_du_f(x));
   }
   return normal_cdf_f(x) + x * float(kInvSqrt2Pi) * fast_expf(-0.5f * x * x);
 }

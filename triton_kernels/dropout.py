@@ -19,11 +19,12 @@ def _dropout_kernel(x, y, cols, SEED, t16, scale, BLOCK: tl.constexpr):
     v = to_compute(tl.load(x + row * cols + offs, mask=live, other=0.0))
     k0, k1 = load_key(SEED)
     keep = elementwise_keep(k0, k1, row, offs, t16)
-    tl.store(y + row * cols + offs, to_storage(tl.where(keep, v * scale, 0.0), y.dtype.element_ty), mask=live)
+    # a product with 0, not a select, as F.dropout: NaN and inf stay non-finite where dropped
+    tl.store(y + row * cols + offs, to_storage(tl.where(keep, v * scale, v * 0.0), y.dtype.element_ty), mask=live)
 
 
 def forward(x, y, rows, cols, seed, t16, scale):
-    """y = x * keep * scale; x, y contiguous of rows*cols elements (y may be x); seed int32[2] on x's device."""
+    """y = x * (keep ? scale : 0); x, y contiguous of rows*cols elements (y may be x); seed int32[2] on x's device."""
     block = min(1024, triton.next_power_of_2(max(cols, 16)))
     _dropout_kernel[(rows, triton.cdiv(cols, block))](x, y, cols, seed, t16, scale, BLOCK=block,
                                                      num_warps=4 if block >= 512 else 2)
