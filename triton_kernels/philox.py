@@ -1,10 +1,11 @@
 """The one Triton implementation of Philox4x32-10 and of the dropout-mask contract (docs/DESIGN.md).
 
-Every GPU kernel that drops out calls `attention_keep` or `elementwise_keep`; nothing else in
+Every GPU kernel that drops out calls `attention_keep_tile` or `elementwise_keep`; nothing else in
 triton_kernels computes Philox. The high word of each 32x32 product comes from a widening
 64-bit multiply, which the interpreter evaluates vectorised and the GPU compiles to mul.wide.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -41,9 +42,48 @@ def _keep(k0, k1, cols, c1, c2, c3: tl.constexpr, t16):
 
 
 @triton.jit
-def attention_keep(k0, k1, rows, cols, batch_head, t16):
-    """Keep flags of P[b, h, rows, cols] (broadcastable int tensors): counter (j >> 3, i, b*H + h, 0)."""
-    return _keep(k0, k1, cols + rows * 0, rows + cols * 0, batch_head, 0, t16)
+def load_key(SEED):
+    """The Philox key (k0, k1) from an int32[2] seed tensor (low word, high word) on the device."""
+    return tl.load(SEED).to(tl.uint32, bitcast=True), tl.load(SEED + 1).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _flags(w, t16):
+    """Keep flags (int32: as int8 the joins cost byte packing) of a Philox word's low and high 16-bit halves,
+    joined on a new last axis."""
+    return tl.join((w & 0xFFFF) >= t16, (w >> 16) >= t16).to(tl.int32)
+
+
+@triton.jit
+def attention_keep_tile(k0, k1, row0, col0, batch_head, t16, BM: tl.constexpr, BN: tl.constexpr,
+                        TRANS: tl.constexpr):
+    """Keep flags of P[b, h, row0 + i, col0 + j] for a [BM, BN] tile ([BN, BM] when TRANS).
+
+    col0 is a multiple of 8, so the tile's columns are BN / 8 whole Philox groups: Philox runs once
+    per group on a [BM, BN / 8] tile, and its eight 16-bit values are spread over the group's
+    columns by joins (t = 4 * half + word, DESIGN.md) and a reshape.
+    """
+    G: tl.constexpr = BN // 8
+    groups = (col0 >> 3) + tl.arange(0, G)
+    rows = row0 + tl.arange(0, BM)
+    if TRANS:
+        c0 = groups[:, None] + rows[None, :] * 0
+        c1 = rows[None, :] + groups[:, None] * 0
+    else:
+        c0 = groups[None, :] + rows[:, None] * 0
+        c1 = rows[:, None] + groups[None, :] * 0
+    c0 = c0.to(tl.uint32)
+    zero = c0 * 0
+    w0, w1, w2, w3 = philox4x32_10(c0, c1.to(tl.uint32), zero + batch_head.to(tl.uint32), zero, k0, k1)
+    t = t16.to(tl.uint32)
+    # [..., half, word >> 1, word & 1]: flattened, the last three axes are t = 4 * half + word.
+    f = tl.join(tl.join(_flags(w0, t), _flags(w2, t)), tl.join(_flags(w1, t), _flags(w3, t)))
+    if TRANS:
+        f = tl.reshape(f, [G, BM, 8])
+        f = tl.reshape(tl.permute(f, 0, 2, 1), [BN, BM])
+    else:
+        f = tl.reshape(f, [BM, BN])
+    return f != 0
 
 
 @triton.jit
@@ -53,65 +93,76 @@ def elementwise_keep(k0, k1, rows, cols, t16):
     return _keep(k0, k1, cols + rows * 0, (rows & 0xFFFFFFFF) + cols * 0, (rows >> 32) + cols * 0, 1, t16)
 
 
-@triton.jit(do_not_specialize=["k0", "k1"])
-def _philox_words_kernel(counters, out, n, k0, k1, BLOCK: tl.constexpr):
+@triton.jit
+def _philox_words_kernel(counters, out, n, SEED, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = idx < n
     c0 = tl.load(counters + idx * 4 + 0, mask=live, other=0).to(tl.uint32)
     c1 = tl.load(counters + idx * 4 + 1, mask=live, other=0).to(tl.uint32)
     c2 = tl.load(counters + idx * 4 + 2, mask=live, other=0).to(tl.uint32)
     c3 = tl.load(counters + idx * 4 + 3, mask=live, other=0).to(tl.uint32)
-    w0, w1, w2, w3 = philox4x32_10(c0, c1, c2, c3, k0.to(tl.uint32), k1.to(tl.uint32))
+    k0, k1 = load_key(SEED)
+    w0, w1, w2, w3 = philox4x32_10(c0, c1, c2, c3, k0, k1)
     tl.store(out + idx * 4 + 0, w0.to(tl.int64), mask=live)
     tl.store(out + idx * 4 + 1, w1.to(tl.int64), mask=live)
     tl.store(out + idx * 4 + 2, w2.to(tl.int64), mask=live)
     tl.store(out + idx * 4 + 3, w3.to(tl.int64), mask=live)
 
 
-@triton.jit(do_not_specialize=["k0", "k1", "t16"])
-def _attention_mask_kernel(out, H, Sq, Sk, k0, k1, t16, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["t16"])
+def _attention_mask_kernel(out, H, Sq, Sk, SEED, t16, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           TRANS: tl.constexpr):
     pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
-    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
-    keep = attention_keep(k0, k1, rows, cols, bh, t16)
+    k0, k1 = load_key(SEED)
+    keep = attention_keep_tile(k0, k1, pid_m * BLOCK_M, pid_n * BLOCK_N, bh, t16, BLOCK_M, BLOCK_N, TRANS)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if TRANS:  # keep is [BLOCK_N, BLOCK_M]: key down, query across
+        rows, cols = rows[None, :], cols[:, None]
+    else:
+        rows, cols = rows[:, None], cols[None, :]
     offs = bh.to(tl.int64) * Sq * Sk + rows * Sk + cols
     tl.store(out + offs, keep.to(tl.int8), mask=(rows < Sq) & (cols < Sk))
 
 
-@triton.jit(do_not_specialize=["k0", "k1", "t16"])
-def _elementwise_mask_kernel(out, rows_total, cols_total, k0, k1, t16, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["t16"])
+def _elementwise_mask_kernel(out, rows_total, cols_total, SEED, t16, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = (tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+    k0, k1 = load_key(SEED)
     keep = elementwise_keep(k0, k1, rows, cols, t16)
     tl.store(out + rows * cols_total + cols, keep.to(tl.int8), mask=(rows < rows_total) & (cols < cols_total))
 
 
-def key_words(seed):
-    """(k0, k1) of a seed tensor (int32 [2]: the seed's low and high words) as Python ints."""
-    lo, hi = seed.tolist()
-    return lo & 0xFFFFFFFF, hi & 0xFFFFFFFF
-
-
 # Host-side entry points, used by the tests to check the device helpers against the contract.
+
+def seed_tensor(seed, device):
+    """An int seed in [0, 2**64) as the kernels' int32[2] (low word, high word); a tensor passes through."""
+    if isinstance(seed, torch.Tensor):
+        return seed
+    words = [(seed >> s) & 0xFFFFFFFF for s in (0, 32)]
+    return torch.tensor([w - (1 << 32) if w >> 31 else w for w in words], dtype=torch.int32, device=device)
+
 
 def philox_words(seed, counters, out):
     n = counters.shape[0]
     block = 64
-    _philox_words_kernel[(triton.cdiv(n, block),)](counters, out, n, seed & 0xFFFFFFFF, seed >> 32, BLOCK=block)
+    _philox_words_kernel[(triton.cdiv(n, block),)](counters, out, n, seed_tensor(seed, counters.device), BLOCK=block)
     return out
 
 
-def attention_mask(seed, t16, out, block_m=16, block_n=16):
+def attention_mask(seed, t16, out, block_m=16, block_n=16, trans=False):
+    """Keep mask [B, H, Sq, Sk] (int8) through the attention kernels' tile helper; block_n a multiple of 8."""
     B, H, Sq, Sk = out.shape
     grid = (triton.cdiv(Sq, block_m), triton.cdiv(Sk, block_n), B * H)
-    _attention_mask_kernel[grid](out, H, Sq, Sk, seed & 0xFFFFFFFF, seed >> 32, t16, BLOCK_M=block_m, BLOCK_N=block_n)
+    _attention_mask_kernel[grid](out, H, Sq, Sk, seed_tensor(seed, out.device), t16, BLOCK_M=block_m,
+                                 BLOCK_N=block_n, TRANS=trans)
     return out
 
 
 def elementwise_mask(seed, t16, out, block_m=16, block_n=16):
     rows, cols = out.shape
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
-    _elementwise_mask_kernel[grid](out, rows, cols, seed & 0xFFFFFFFF, seed >> 32, t16, BLOCK_M=block_m,
+    _elementwise_mask_kernel[grid](out, rows, cols, seed_tensor(seed, out.device), t16, BLOCK_M=block_m,
                                    BLOCK_N=block_n)
     return out
