@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .philox import attention_keep_tile, load_key
+from .philox import attention_dropout, attention_keep_tile, key_order, load_key
 from .rounding import INTERPRETED, to_storage
 
 LOG2E = 1.4426950408889634
@@ -149,7 +149,10 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
     dims = tl.arange(0, BLOCK_D)
     for blk in range(b_lo, b_hi):
         start = blk * BLOCK_N
-        cols = start + tl.arange(0, BLOCK_N)
+        if DROPOUT:
+            cols = key_order(start, BLOCK_N)
+        else:
+            cols = start + tl.arange(0, BLOCK_N)
         kb = _load_rows(k_base, cols, skn, Sk, dims, D, CHECK, EVEN_D)
         s = _dot(q, tl.trans(kb), IEEE) * scale_log2
         if MASKED or HAS_PAD:
@@ -165,8 +168,7 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
         p = tl.exp2(s - base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = attention_keep_tile(k0, k1, r0, start, bh, t16, BLOCK_M, BLOCK_N, False)
-            p = tl.where(keep, p, 0.0)  # keep_scale is applied once, to the output
+            p = attention_dropout(p, k0, k1, r0, start, bh, t16, BLOCK_M, BLOCK_N)  # keep_scale: once, on o
         vb = _load_rows(v_base, cols, svn, Sk, dims, D, CHECK, EVEN_D)
         acc = acc * alpha[:, None] + _dot(to_storage(p, vb.dtype), vb, IEEE)
         m_i = m_new
@@ -384,7 +386,10 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0,
     dims = tl.arange(0, BLOCK_D)
     for blk in range(b_lo, b_hi):
         start = blk * BLOCK_N
-        cols = start + tl.arange(0, BLOCK_N)
+        if DROPOUT:
+            cols = key_order(start, BLOCK_N)
+        else:
+            cols = start + tl.arange(0, BLOCK_N)
         kb = _load_rows(k_base, cols, skn, Sk, dims, D, CHECK, EVEN_D)
         vb = _load_rows(v_base, cols, svn, Sk, dims, D, CHECK, EVEN_D)
         s = _dot(q, tl.trans(kb), IEEE) * scale_log2
@@ -398,8 +403,8 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0,
             p = tl.where(ok, p, 0.0)
         dp = _dot(do, tl.trans(vb), IEEE)
         if DROPOUT:
-            keep = attention_keep_tile(k0, k1, r0, start, bh, t16, BLOCK_M, BLOCK_N, False)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
+            # zeroed before the scale, so that dp * keep_scale - delta fuses into one FMA
+            dp = attention_dropout(dp, k0, k1, r0, start, bh, t16, BLOCK_M, BLOCK_N) * keep_scale
         ds_ = p * (dp - delta[:, None])
         dq += _dot(to_storage(ds_, kb.dtype), kb, IEEE)
     return dq

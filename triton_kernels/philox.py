@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rounding import INTERPRETED
+
 
 @triton.jit
 def philox4x32_10(c0, c1, c2, c3, k0, k1):
@@ -87,6 +89,52 @@ def attention_keep_tile(k0, k1, row0, col0, batch_head, t16, BM: tl.constexpr, B
 
 
 @triton.jit
+def key_order(start, BN: tl.constexpr):
+    """Key index of each column of a dropout tile (attention_dropout) starting at key `start`, a multiple of 8.
+
+    Column (t >> 1) * (BN / 4) + 2 * g + (t & 1) holds key start + 8 * g + t. In the MMA accumulator
+    layout (column bits 1 and 2 across a quad of lanes, the others in registers) every thread then
+    holds whole Philox groups: each Philox call is made once, by the thread that uses its values.
+    """
+    G: tl.constexpr = BN // 8
+    c = tl.arange(0, BN)
+    return start + 8 * ((c >> 1) % G) + (c & 1) + 2 * (c // (2 * G))
+
+
+@triton.jit
+def attention_dropout(x, k0, k1, row0, col0, batch_head, t16, BM: tl.constexpr, BN: tl.constexpr):
+    """x (fp32 [BM, BN]: rows row0 + i, keys key_order(col0, BN)) with the entries that the contract
+    drops from P[b, h] (batch_head = b * H + h) set to 0.
+
+    Philox runs on a [BM, BN / 8] tile; its eight 16-bit values per group are spread along a third
+    axis of 8 that the layout keeps in registers, so the word and half each t takes are
+    compile-time choices and the reshape to key_order needs no data movement.
+    """
+    G: tl.constexpr = BN // 8
+    groups = (col0 >> 3) + tl.arange(0, G)
+    rows = row0 + tl.arange(0, BM)
+    c0 = (groups[None, :] + rows[:, None] * 0).to(tl.uint32)
+    c1 = (rows[:, None] + groups[None, :] * 0).to(tl.uint32)
+    zero = c0 * 0
+    w0, w1, w2, w3 = philox4x32_10(c0, c1, zero + batch_head.to(tl.uint32), zero, k0, k1)
+    t = tl.arange(0, 8)[None, None, :]
+    q = t & 3
+    w = tl.where(q == 0, w0[:, :, None],
+                 tl.where(q == 1, w1[:, :, None], tl.where(q == 2, w2[:, :, None], w3[:, :, None])))
+    # u[t] >= t16 compared in the high 16 bits: the high halves (t >= 4) need no shift
+    u = tl.where(t < 4, w << 16, w)
+    u = tl.reshape(tl.permute(tl.reshape(u, [BM, G, 4, 2]), 0, 2, 1, 3), [BM, BN])
+    thr = t16.to(tl.uint32) << 16
+    if INTERPRETED:
+        return tl.where(u >= thr, x, 0.0)
+    else:
+        # fp32 select as inline asm: LLVM would move a plain select past the bf16 conversion of the
+        # result and pay byte shuffles for it
+        return tl.inline_asm_elementwise("{ .reg .pred k; setp.hs.u32 k, $1, $2; selp.f32 $0, $3, 0f00000000, k; }",
+                                         "=r,r,r,r", [u, thr + u * 0, x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def elementwise_keep(k0, k1, rows, cols, t16):
     """Keep flags of x[rows, cols] viewed 2-D: counter (j >> 3, row lo, row hi, 1); rows int64."""
     rows = rows.to(tl.int64)
@@ -111,12 +159,17 @@ def _philox_words_kernel(counters, out, n, SEED, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["t16"])
 def _attention_mask_kernel(out, H, Sq, Sk, SEED, t16, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           TRANS: tl.constexpr):
+                           TRANS: tl.constexpr, KEY_ORDER: tl.constexpr):
     pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     k0, k1 = load_key(SEED)
-    keep = attention_keep_tile(k0, k1, pid_m * BLOCK_M, pid_n * BLOCK_N, bh, t16, BLOCK_M, BLOCK_N, TRANS)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if KEY_ORDER:  # attention_dropout of ones, its columns in key_order
+        ones = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
+        keep = attention_dropout(ones, k0, k1, pid_m * BLOCK_M, pid_n * BLOCK_N, bh, t16, BLOCK_M, BLOCK_N) != 0.0
+        cols = key_order(pid_n * BLOCK_N, BLOCK_N)
+    else:
+        keep = attention_keep_tile(k0, k1, pid_m * BLOCK_M, pid_n * BLOCK_N, bh, t16, BLOCK_M, BLOCK_N, TRANS)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if TRANS:  # keep is [BLOCK_N, BLOCK_M]: key down, query across
         rows, cols = rows[None, :], cols[:, None]
     else:
@@ -151,12 +204,13 @@ def philox_words(seed, counters, out):
     return out
 
 
-def attention_mask(seed, t16, out, block_m=16, block_n=16, trans=False):
-    """Keep mask [B, H, Sq, Sk] (int8) through the attention kernels' tile helper; block_n a multiple of 8."""
+def attention_mask(seed, t16, out, block_m=16, block_n=16, trans=False, key_order=False):
+    """Keep mask [B, H, Sq, Sk] (int8) through the attention kernels' tile helpers; block_n a multiple of 8.
+    key_order: through attention_dropout (key-permuted tiles) instead of attention_keep_tile."""
     B, H, Sq, Sk = out.shape
     grid = (triton.cdiv(Sq, block_m), triton.cdiv(Sk, block_n), B * H)
     _attention_mask_kernel[grid](out, H, Sq, Sk, seed_tensor(seed, out.device), t16, BLOCK_M=block_m,
-                                 BLOCK_N=block_n, TRANS=trans)
+                                 BLOCK_N=block_n, TRANS=trans and not key_order, KEY_ORDER=key_order)
     return out
 
 

@@ -153,7 +153,8 @@ def test_triton_attention_against_float64(name):
 
 @interpreted
 def test_dropout_tile_expansion_is_the_contract_mask():
-    """One Philox call per 8 columns, spread by join/reshape (and the dK/dV kernel's transposed form)."""
+    """One Philox call per 8 columns, spread by join/reshape (and the dK/dV kernel's transposed form), or
+    into key-permuted tiles (attention_dropout)."""
     from selective_ckpt.triton_kernels import philox
 
     seed, p = 0x0123_4567_89AB_CDEF, 0.3
@@ -163,6 +164,11 @@ def test_dropout_tile_expansion_is_the_contract_mask():
         out = torch.empty(shape, dtype=torch.int8)
         philox.attention_mask(_seed_tensor(seed), rng.threshold(p), out, bm, bn, trans=trans)
         assert torch.equal(out.bool(), want), (bm, bn, trans)
+    # the forward and dQ kernels' form: key-permuted columns (key_order), values spread in registers
+    for bm, bn in ((16, 16), (8, 8), (16, 32), (4, 64)):
+        out = torch.full(shape, -1, dtype=torch.int8)
+        philox.attention_mask(_seed_tensor(seed), rng.threshold(p), out, bm, bn, key_order=True)
+        assert torch.equal(out.bool(), want) and (out >= 0).all(), (bm, bn)
 
 
 @interpreted
