@@ -269,7 +269,6 @@ def exercise_philox():
         philox.philox_words(1, counters, torch.empty_like(counters))
         for trans in (False, True):
             philox.attention_mask(1, 100, torch.empty(1, 2, 9, 17, dtype=torch.int8), trans=trans)
-        philox.attention_mask(1, 100, torch.empty(1, 2, 9, 17, dtype=torch.int8), key_order=True)
         philox.elementwise_mask(1, 100, torch.empty(9, 17, dtype=torch.int8))
 
 

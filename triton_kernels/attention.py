@@ -21,7 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .philox import attention_dropout, attention_keep_tile, key_order, load_key
+from .philox import (
+    apply_keep,
+    apply_keep_bit,
+    attention_keep_bits_t,
+    attention_keep_words,
+    key_order,
+    key_order_t,
+    load_key,
+)
 from .rounding import INTERPRETED, to_storage
 
 LOG2E = 1.4426950408889634
@@ -168,7 +176,8 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
         p = tl.exp2(s - base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = attention_dropout(p, k0, k1, r0, start, bh, t16, BLOCK_M, BLOCK_N)  # keep_scale: once, on o
+            words = attention_keep_words(k0, k1, r0, start, bh, BLOCK_M, BLOCK_N)
+            p = apply_keep(p, words, t16)  # keep_scale is applied once, to the output
         vb = _load_rows(v_base, cols, svn, Sk, dims, D, CHECK, EVEN_D)
         acc = acc * alpha[:, None] + _dot(to_storage(p, vb.dtype), vb, IEEE)
         m_i = m_new
@@ -296,9 +305,9 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
             pt = tl.where(ok, pt, 0.0)
         dpt = _dot(vb, tl.trans(do), IEEE)
         if DROPOUT:
-            keep = attention_keep_tile(k0, k1, start, c0, bh, t16, BLOCK_M, BLOCK_N, True)
-            dv += _dot(to_storage(tl.where(keep, pt * keep_scale, 0.0), do.dtype), do, IEEE)
-            dpt = tl.where(keep, dpt * keep_scale, 0.0)
+            bits = attention_keep_bits_t(k0, k1, start, c0, bh, t16, BLOCK_M, BLOCK_N)
+            dv += _dot(to_storage(apply_keep_bit(pt * keep_scale, bits), do.dtype), do, IEEE)
+            dpt = apply_keep_bit(dpt, bits) * keep_scale
         else:
             dv += _dot(to_storage(pt, do.dtype), do, IEEE)
         dst = pt * (dpt - delta[None, :])
@@ -324,7 +333,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
     kvh = (bg % Hkv).to(tl.int64)
     c0 = pid_n * BLOCK_N
     c1 = tl.minimum(c0 + BLOCK_N, Sk) - 1
-    cols = c0 + tl.arange(0, BLOCK_N)
+    if DROPOUT:  # the keys in the order of the dropout tiles (the stores follow it)
+        cols = key_order_t(c0, BLOCK_N)
+    else:
+        cols = c0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     kb = _load_rows(K + b * skb + kvh * skh, cols, skn, Sk, dims, D, not EVEN_N, EVEN_D)
     vb = _load_rows(V + b * svb + kvh * svh, cols, svn, Sk, dims, D, not EVEN_N, EVEN_D)
@@ -404,7 +416,8 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0,
         dp = _dot(do, tl.trans(vb), IEEE)
         if DROPOUT:
             # zeroed before the scale, so that dp * keep_scale - delta fuses into one FMA
-            dp = attention_dropout(dp, k0, k1, r0, start, bh, t16, BLOCK_M, BLOCK_N) * keep_scale
+            words = attention_keep_words(k0, k1, r0, start, bh, BLOCK_M, BLOCK_N)
+            dp = apply_keep(dp, words, t16) * keep_scale
         ds_ = p * (dp - delta[:, None])
         dq += _dot(to_storage(ds_, kb.dtype), kb, IEEE)
     return dq

@@ -1,8 +1,9 @@
 """The one Triton implementation of Philox4x32-10 and of the dropout-mask contract (docs/DESIGN.md).
 
-Every GPU kernel that drops out calls `attention_keep_tile` or `elementwise_keep`; nothing else in
-triton_kernels computes Philox. The high word of each 32x32 product comes from a widening
-64-bit multiply, which the interpreter evaluates vectorised and the GPU compiles to mul.wide.
+Every GPU kernel that drops out calls `attention_keep_words`, `attention_keep_bits_t` or
+`elementwise_keep`; nothing else in triton_kernels computes Philox. The high word of each 32x32
+product comes from a widening 64-bit multiply, which the interpreter evaluates vectorised and the
+GPU compiles to mul.wide.
 """
 
 import torch
@@ -49,52 +50,19 @@ def load_key(SEED):
     return tl.load(SEED).to(tl.uint32, bitcast=True), tl.load(SEED + 1).to(tl.uint32, bitcast=True)
 
 
-@triton.jit
-def _flags(w, t16):
-    """Keep flags (int32: as int8 the joins cost byte packing) of a Philox word's low and high 16-bit halves,
-    joined on a new last axis."""
-    return tl.join((w & 0xFFFF) >= t16, (w >> 16) >= t16).to(tl.int32)
-
-
-@triton.jit
-def attention_keep_tile(k0, k1, row0, col0, batch_head, t16, BM: tl.constexpr, BN: tl.constexpr,
-                        TRANS: tl.constexpr):
-    """Keep flags of P[b, h, row0 + i, col0 + j] for a [BM, BN] tile ([BN, BM] when TRANS).
-
-    col0 is a multiple of 8, so the tile's columns are BN / 8 whole Philox groups: Philox runs once
-    per group on a [BM, BN / 8] tile, and its eight 16-bit values are spread over the group's
-    columns by joins (t = 4 * half + word, DESIGN.md) and a reshape.
-    """
-    G: tl.constexpr = BN // 8
-    groups = (col0 >> 3) + tl.arange(0, G)
-    rows = row0 + tl.arange(0, BM)
-    if TRANS:
-        c0 = groups[:, None] + rows[None, :] * 0
-        c1 = rows[None, :] + groups[:, None] * 0
-    else:
-        c0 = groups[None, :] + rows[:, None] * 0
-        c1 = rows[:, None] + groups[None, :] * 0
-    c0 = c0.to(tl.uint32)
-    zero = c0 * 0
-    w0, w1, w2, w3 = philox4x32_10(c0, c1.to(tl.uint32), zero + batch_head.to(tl.uint32), zero, k0, k1)
-    t = t16.to(tl.uint32)
-    # [..., half, word >> 1, word & 1]: flattened, the last three axes are t = 4 * half + word.
-    f = tl.join(tl.join(_flags(w0, t), _flags(w2, t)), tl.join(_flags(w1, t), _flags(w3, t)))
-    if TRANS:
-        f = tl.reshape(f, [G, BM, 8])
-        f = tl.reshape(tl.permute(f, 0, 2, 1), [BN, BM])
-    else:
-        f = tl.reshape(f, [BM, BN])
-    return f != 0
-
+# Key-permuted dropout tiles. The attention kernels load each key block in a permuted order chosen
+# so that, in the MMA accumulator layout the scores have, each thread holds the Philox groups it
+# needs: Philox then runs where its values are used and no keep flag changes layout. The
+# accumulator layout of a [R, C] tile (per 16-row warp slice): row bits 0-2 across lanes (lane
+# bits 2-4), row bit 3 in registers; column bit 0 in registers, column bits 1-2 across lanes
+# (lane bits 0-1), the higher column bits in registers.
 
 @triton.jit
 def key_order(start, BN: tl.constexpr):
-    """Key index of each column of a dropout tile (attention_dropout) starting at key `start`, a multiple of 8.
+    """Keys of the columns of a [., BN] tile of attention_keep_words, from `start` (a multiple of 8).
 
-    Column (t >> 1) * (BN / 4) + 2 * g + (t & 1) holds key start + 8 * g + t. In the MMA accumulator
-    layout (column bits 1 and 2 across a quad of lanes, the others in registers) every thread then
-    holds whole Philox groups: each Philox call is made once, by the thread that uses its values.
+    Column (t >> 1) * (BN / 4) + 2 * g + (t & 1) holds key start + 8 * g + t: the eight columns of
+    a group are in one thread's registers (lanes own column bits 1-2, which are g's).
     """
     G: tl.constexpr = BN // 8
     c = tl.arange(0, BN)
@@ -102,14 +70,33 @@ def key_order(start, BN: tl.constexpr):
 
 
 @triton.jit
-def attention_dropout(x, k0, k1, row0, col0, batch_head, t16, BM: tl.constexpr, BN: tl.constexpr):
-    """x (fp32 [BM, BN]: rows row0 + i, keys key_order(col0, BN)) with the entries that the contract
-    drops from P[b, h] (batch_head = b * H + h) set to 0.
+def key_order_t(start, BN: tl.constexpr):
+    """Keys of the rows of a [BN, .] tile of attention_keep_words_t (BN a multiple of 16).
 
-    Philox runs on a [BM, BN / 8] tile; its eight 16-bit values per group are spread along a third
-    axis of 8 that the layout keeps in registers, so the word and half each t takes are
-    compile-time choices and the reshape to key_order needs no data movement.
+    Row r holds key start + 8 * g + t with t = ((r >> 3) & 1) + 2 * (r & 3) and
+    g = ((r >> 2) & 1) + 2 * (r >> 4). Rows have only bit 3 in registers, so the four lanes that
+    share a query and a group (row bits 0-1) each make that Philox call; none is converted.
     """
+    r = tl.arange(0, BN)
+    return start + 8 * (((r >> 2) & 1) + 2 * (r >> 4)) + ((r >> 3) & 1) + 2 * (r & 3)
+
+
+@triton.jit
+def _spread(w0, w1, w2, w3):
+    """[A, B, 8]: the value u[t] of each Philox call along a third axis, shifted into the high 16 bits
+    (u >= t16 iff that word >= t16 << 16, so the high halves need no shift). With the axis in
+    registers, the word and half each t takes are compile-time choices."""
+    t = tl.arange(0, 8)[None, None, :]
+    q = t & 3
+    w = tl.where(q == 0, w0[:, :, None],
+                 tl.where(q == 1, w1[:, :, None], tl.where(q == 2, w2[:, :, None], w3[:, :, None])))
+    return tl.where(t < 4, w << 16, w)
+
+
+@triton.jit
+def attention_keep_words(k0, k1, row0, col0, batch_head, BM: tl.constexpr, BN: tl.constexpr):
+    """Keep words of P[b, h, row0 + i, key_order(col0, BN)] as [BM, BN] (batch_head = b * H + h):
+    the entry is kept iff its word >= t16 << 16 (apply_keep). Philox on a [BM, BN / 8] tile."""
     G: tl.constexpr = BN // 8
     groups = (col0 >> 3) + tl.arange(0, G)
     rows = row0 + tl.arange(0, BM)
@@ -117,21 +104,68 @@ def attention_dropout(x, k0, k1, row0, col0, batch_head, t16, BM: tl.constexpr, 
     c1 = (rows[:, None] + groups[None, :] * 0).to(tl.uint32)
     zero = c0 * 0
     w0, w1, w2, w3 = philox4x32_10(c0, c1, zero + batch_head.to(tl.uint32), zero, k0, k1)
-    t = tl.arange(0, 8)[None, None, :]
-    q = t & 3
-    w = tl.where(q == 0, w0[:, :, None],
-                 tl.where(q == 1, w1[:, :, None], tl.where(q == 2, w2[:, :, None], w3[:, :, None])))
-    # u[t] >= t16 compared in the high 16 bits: the high halves (t >= 4) need no shift
-    u = tl.where(t < 4, w << 16, w)
-    u = tl.reshape(tl.permute(tl.reshape(u, [BM, G, 4, 2]), 0, 2, 1, 3), [BM, BN])
+    u = tl.reshape(_spread(w0, w1, w2, w3), [BM, G, 4, 2])  # t = 2 * (t >> 1) + (t & 1)
+    return tl.reshape(tl.permute(u, 0, 2, 1, 3), [BM, BN])
+
+
+@triton.jit
+def _bits(w, thr):
+    """Keep bits of a word's low (bit 0) and high (bit 4) 16-bit value."""
+    return ((w << 16) >= thr).to(tl.int32) | ((w >= thr).to(tl.int32) << 4)
+
+
+@triton.jit
+def attention_keep_bits_t(k0, k1, col0, row0, batch_head, t16, BM: tl.constexpr, BN: tl.constexpr):
+    """Keep flags of P[b, h, col0 + i, key_order_t(row0, BN)] transposed ([BN, BM], key down), as an
+    int32 tile whose bit t (of key_order_t's decomposition) is the flag.
+
+    Philox runs once per call on a [BN / 8, BM] tile and packs its eight flags into one byte; only
+    that byte changes layout (to the four lanes that share the group), then each entry tests its bit.
+    """
+    G: tl.constexpr = BN // 8
+    groups = (row0 >> 3) + tl.arange(0, G)
+    cols = col0 + tl.arange(0, BM)
+    c0 = (groups[:, None] + cols[None, :] * 0).to(tl.uint32)
+    c1 = (cols[None, :] + groups[:, None] * 0).to(tl.uint32)
+    zero = c0 * 0
+    w0, w1, w2, w3 = philox4x32_10(c0, c1, zero + batch_head.to(tl.uint32), zero, k0, k1)
+    thr = t16.to(tl.uint32) << 16
+    bits = _bits(w0, thr) | (_bits(w1, thr) << 1) | (_bits(w2, thr) << 2) | (_bits(w3, thr) << 3)
+    if not INTERPRETED:
+        # an opaque copy: the layout pass may not recompute Philox four times per call in the
+        # accumulator layout (which it would judge cheaper), it moves this byte instead
+        bits = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [bits], dtype=tl.int32, is_pure=False, pack=1)
+    # [g >> 1, g & 1, 8 (t), i] -> rows (g >> 1, t & 1, g & 1, t >> 2, (t >> 1) & 1)
+    b = tl.broadcast_to(bits[:, None, :], [G, 8, BM])
+    b = tl.reshape(b, [G // 2, 2, 2, 2, 2, BM])
+    b = tl.reshape(tl.permute(b, 0, 4, 1, 2, 3, 5), [BN, BM])
+    r = tl.arange(0, BN)
+    t = ((r >> 3) & 1) + 2 * (r & 3)
+    return b & (1 << t)[:, None]
+
+
+@triton.jit
+def apply_keep_bit(x, bit):
+    """x (fp32) where `bit` (int32) is nonzero, else 0."""
+    if INTERPRETED:
+        return tl.where(bit != 0, x, 0.0)
+    else:  # as in apply_keep
+        return tl.inline_asm_elementwise("{ .reg .pred k; setp.ne.u32 k, $1, 0; selp.f32 $0, $2, 0f00000000, k; }",
+                                         "=r,r,r", [bit, x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def apply_keep(x, words, t16):
+    """x (fp32) where its keep word says kept, else 0."""
     thr = t16.to(tl.uint32) << 16
     if INTERPRETED:
-        return tl.where(u >= thr, x, 0.0)
+        return tl.where(words >= thr, x, 0.0)
     else:
         # fp32 select as inline asm: LLVM would move a plain select past the bf16 conversion of the
         # result and pay byte shuffles for it
         return tl.inline_asm_elementwise("{ .reg .pred k; setp.hs.u32 k, $1, $2; selp.f32 $0, $3, 0f00000000, k; }",
-                                         "=r,r,r,r", [u, thr + u * 0, x], dtype=tl.float32, is_pure=True, pack=1)
+                                         "=r,r,r,r", [words, thr + words * 0, x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
 
 
 @triton.jit
@@ -159,21 +193,18 @@ def _philox_words_kernel(counters, out, n, SEED, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["t16"])
 def _attention_mask_kernel(out, H, Sq, Sk, SEED, t16, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           TRANS: tl.constexpr, KEY_ORDER: tl.constexpr):
+                           TRANS: tl.constexpr):
     pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     k0, k1 = load_key(SEED)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if KEY_ORDER:  # attention_dropout of ones, its columns in key_order
-        ones = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
-        keep = attention_dropout(ones, k0, k1, pid_m * BLOCK_M, pid_n * BLOCK_N, bh, t16, BLOCK_M, BLOCK_N) != 0.0
-        cols = key_order(pid_n * BLOCK_N, BLOCK_N)
-    else:
-        keep = attention_keep_tile(k0, k1, pid_m * BLOCK_M, pid_n * BLOCK_N, bh, t16, BLOCK_M, BLOCK_N, TRANS)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if TRANS:  # keep is [BLOCK_N, BLOCK_M]: key down, query across
-        rows, cols = rows[None, :], cols[:, None]
-    else:
-        rows, cols = rows[:, None], cols[None, :]
+    if TRANS:  # the dK/dV kernel's form: keys down (key_order_t), queries across
+        bits = attention_keep_bits_t(k0, k1, pid_m * BLOCK_M, pid_n * BLOCK_N, bh, t16, BLOCK_M, BLOCK_N)
+        keep = apply_keep_bit(tl.full([BLOCK_N, BLOCK_M], 1.0, tl.float32), bits) != 0.0
+        rows, cols = rows[None, :], key_order_t(pid_n * BLOCK_N, BLOCK_N)[:, None]
+    else:  # the forward and dQ kernels' form: columns in key_order
+        words = attention_keep_words(k0, k1, pid_m * BLOCK_M, pid_n * BLOCK_N, bh, BLOCK_M, BLOCK_N)
+        keep = apply_keep(tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32), words, t16) != 0.0
+        rows, cols = rows[:, None], key_order(pid_n * BLOCK_N, BLOCK_N)[None, :]
     offs = bh.to(tl.int64) * Sq * Sk + rows * Sk + cols
     tl.store(out + offs, keep.to(tl.int8), mask=(rows < Sq) & (cols < Sk))
 
@@ -204,13 +235,13 @@ def philox_words(seed, counters, out):
     return out
 
 
-def attention_mask(seed, t16, out, block_m=16, block_n=16, trans=False, key_order=False):
-    """Keep mask [B, H, Sq, Sk] (int8) through the attention kernels' tile helpers; block_n a multiple of 8.
-    key_order: through attention_dropout (key-permuted tiles) instead of attention_keep_tile."""
+def attention_mask(seed, t16, out, block_m=16, block_n=16, trans=False):
+    """Keep mask [B, H, Sq, Sk] (int8) through the attention kernels' tile helpers (the dK/dV kernel's
+    transposed form when trans); block_n a multiple of 8 (of 16 when trans)."""
     B, H, Sq, Sk = out.shape
     grid = (triton.cdiv(Sq, block_m), triton.cdiv(Sk, block_n), B * H)
     _attention_mask_kernel[grid](out, H, Sq, Sk, seed_tensor(seed, out.device), t16, BLOCK_M=block_m,
-                                 BLOCK_N=block_n, TRANS=trans and not key_order, KEY_ORDER=key_order)
+                                 BLOCK_N=block_n, TRANS=trans)
     return out
 
 

@@ -153,22 +153,18 @@ def test_triton_attention_against_float64(name):
 
 @interpreted
 def test_dropout_tile_expansion_is_the_contract_mask():
-    """One Philox call per 8 columns, spread by join/reshape (and the dK/dV kernel's transposed form), or
-    into key-permuted tiles (attention_dropout)."""
+    """The kernels' dropout tiles: key-permuted columns (forward, dQ: key_order, Philox values spread
+    in registers) and key-permuted rows (dK/dV: key_order_t, keep bits packed per Philox call)."""
     from selective_ckpt.triton_kernels import philox
 
     seed, p = 0x0123_4567_89AB_CDEF, 0.3
     shape = (1, 2, 21, 37)
     want = rng.attention_keep_mask(seed, *shape, p)
-    for bm, bn, trans in ((16, 16, False), (16, 32, True), (8, 8, True), (32, 16, False)):
-        out = torch.empty(shape, dtype=torch.int8)
-        philox.attention_mask(_seed_tensor(seed), rng.threshold(p), out, bm, bn, trans=trans)
-        assert torch.equal(out.bool(), want), (bm, bn, trans)
-    # the forward and dQ kernels' form: key-permuted columns (key_order), values spread in registers
-    for bm, bn in ((16, 16), (8, 8), (16, 32), (4, 64)):
+    for bm, bn, trans in ((16, 16, False), (8, 8, False), (16, 32, False), (32, 16, False), (4, 64, False),
+                          (16, 16, True), (8, 32, True), (16, 128, True), (4, 64, True)):
         out = torch.full(shape, -1, dtype=torch.int8)
-        philox.attention_mask(_seed_tensor(seed), rng.threshold(p), out, bm, bn, key_order=True)
-        assert torch.equal(out.bool(), want) and (out >= 0).all(), (bm, bn)
+        philox.attention_mask(_seed_tensor(seed), rng.threshold(p), out, bm, bn, trans=trans)
+        assert torch.equal(out.bool(), want) and (out >= 0).all(), (bm, bn, trans)
 
 
 @interpreted
