@@ -63,9 +63,10 @@ def test_attention_matrix_is_covered_with_launch_alignment(records):
 
 
 def test_dropout_main_loop_cost(records):
-    """Philox once per 8 columns: the D=128 bf16 forward's main loop with dropout stays within 2.5x
-    of the loop without (the per-element Philox it replaced cost 3.1x)."""
+    """Philox once per 8 columns, computed in the score tile's own layout: the D=128 bf16 forward's
+    main loop with dropout stays within 1.6x of the loop without (1.51x measured; 2.15x when the
+    flags were expanded by joins and converted, 3.1x with Philox per element)."""
     fwd = {r["constexprs"]["DROPOUT"]: r["n_instructions"] for r in records
            if r["kernel"] == "_fwd_kernel" and r["dtype"] == "bf16" and r["head_dim"] == 128 and r.get("case") == "base"
            and not r["constexprs"]["CAUSAL"]}
-    assert fwd[True] <= 2.5 * fwd[False], fwd
+    assert fwd[True] <= 1.6 * fwd[False], fwd

@@ -492,9 +492,9 @@ INTERPRETER_BLOCKS = (16, 16)
 
 
 def _tiles(kernel, block_d, wide, causal, dropout):
-    # Measured (tests/gpu_compile_check.py): dropout's Philox and mask expansion add ~40 registers
-    # per thread, so dK/dV's dropout variants take 16/32-row query blocks where the plain tile would
-    # spill; the forward takes 8 warps (with 4 the D=64 causal and document variants spilled).
+    # Measured (tests/gpu_compile_check.py): dropout's Philox adds registers, so dK/dV's dropout
+    # variants take 16/32-row query blocks (the plain tile spills in the GQA, window, document and
+    # ragged variants); the forward takes 8 warps (with 4 the D=64 causal and document variants spilled).
     # fp32 uses IEEE dots, which Hopper runs on FMA units with whole operand rows per thread: only
     # small tiles stay out of local memory there.
     if wide:
