@@ -72,93 +72,32 @@ def call(family: str, fn: str, *args):
 # ---------------------------------------------------------------------------------------------
 # C++ adapters
 
-# Score elements (heads x query rows x keys) one CPU attention chunk may hold; the chunk's two
-# score-sized temporaries are the only memory that grows with Sk. Chunks of this size (2 MiB in
-# fp32) ran as fast as whole-sequence ones in bench/attention.py, with less memory.
-ATTENTION_CHUNK_ELEMS = 1 << 19
-# Causal chunks are cut finer: a chunk's products stop at its last row's diagonal, so n chunks do
-# (n + 1) / 2n of the full matmul work.
-ATTENTION_CAUSAL_CHUNKS = 8
-ATTENTION_MIN_CHUNK_ROWS = 64
+def _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, seed, t16, ks):
+    """The arguments both C++ attention kernels share after the tensors and their strides."""
+    B, H, Sq, D = q.shape
+    n_docs = 0 if cu_seqlens is None else cu_seqlens.numel() - 1
+    return ((B, H, k.shape[1], Sq, k.shape[2], D),
+            dict(key_padding_mask=_pointer(mask), cu_seqlens=_pointer(cu_seqlens), n_docs=n_docs, causal=causal,
+                 window=int(window or 0), scale=scale, seed=_pointer(seed), t16=t16, keep_scale=ks))
 
 
-def attention_chunk_rows(H, Sq, Sk, causal=False):
-    rows = max(1, min(Sq, ATTENTION_CHUNK_ELEMS // max(1, H * Sk)))
-    if causal:
-        rows = min(rows, max(ATTENTION_MIN_CHUNK_ROWS, -(-Sq // ATTENTION_CAUSAL_CHUNKS)))
-    return rows
-
-
-def _bmm_into(dst, a, b):
-    """dst = a @ b (batched); bmm's out= is slow on strided outputs, so those get a copy."""
-    if dst.is_contiguous():
-        torch.bmm(a, b, out=dst)
-    else:
-        dst.copy_(torch.bmm(a, b))
-
-
-def _check_attention_supported(cu_seqlens, window, q, k):
-    if cu_seqlens is not None or window or k.shape[1] != q.shape[1]:
-        raise NotImplementedError("the C++ attention kernels take neither cu_seqlens, windows nor grouped k/v")
+def _strides(t):
+    return t.stride()[:3]  # (batch, head, row); the last dim is contiguous
 
 
 def _cpp_attention_forward(q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, seed, t16, ks):
-    """Query chunks: S = Q K^T by torch matmul, the C++ row kernel (mask, softmax, dropout), O = P V."""
-    _check_attention_supported(cu_seqlens, window, q, k)
-    B, H, Sq, _ = q.shape
-    Sk = k.shape[2]
-    rows = attention_chunk_rows(H, Sq, Sk, causal)
-    code = DTYPE_CODES[q.dtype]
-    for b in range(B):
-        pad = _pointer(None if mask is None else mask[b])
-        for r0 in range(0, Sq, rows):
-            r1 = min(Sq, r0 + rows)
-            kc = min(Sk, r1) if causal else Sk  # keys past the chunk's last row are all masked
-            s = torch.bmm(q[b, :, r0:r1], k[b, :, :kc].transpose(1, 2))
-            _C.attention_softmax_fwd(code, s.data_ptr(), lse[b, :, r0].data_ptr(), H, r1 - r0, kc, r0, b * H, Sq,
-                                     scale, causal, pad, _pointer(seed), t16, ks)
-            _bmm_into(o[b, :, r0:r1], s, v[b, :, :kc])
+    """Blocked fp32 attention (csrc/attention.cpp): q, k, v, o by pointer and strides, any GQA group."""
+    sizes, problem = _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, seed, t16, ks)
+    _C.attention_forward(DTYPE_CODES[q.dtype], sizes, q.data_ptr(), _strides(q), k.data_ptr(), _strides(k),
+                         v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(), **problem)
 
 
 def _cpp_attention_backward(do, q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, seed, t16, ks, dq, dk, dv):
-    """The forward's chunks again: the row kernel turns S, dP into P and dS (delta from each row)."""
-    _check_attention_supported(cu_seqlens, window, q, k)
-    B, H, Sq, _ = q.shape
-    Sk = k.shape[2]
-    rows = attention_chunk_rows(H, Sq, Sk, causal)
-    code = DTYPE_CODES[q.dtype]
-    single = rows >= Sq
-    # Several chunks add into dK, dV: in fp32 for 16-bit inputs so the sum is rounded once.
-    acc_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) and not single else q.dtype
-    for b in range(B):
-        pad = _pointer(None if mask is None else mask[b])
-        if single:
-            dk_acc, dv_acc = dk[b], dv[b]
-        else:
-            dk_acc = torch.zeros(dk.shape[1:], dtype=acc_dtype, device=dk.device)
-            dv_acc = torch.zeros(dv.shape[1:], dtype=acc_dtype, device=dv.device)
-        for r0 in range(0, Sq, rows):
-            r1 = min(Sq, r0 + rows)
-            kc = min(Sk, r1) if causal else Sk
-            qc, doc, kb, vb = q[b, :, r0:r1], do[b, :, r0:r1], k[b, :, :kc], v[b, :, :kc]
-            s = torch.bmm(qc, kb.transpose(1, 2))
-            dp = torch.bmm(doc, vb.transpose(1, 2))
-            _C.attention_softmax_bwd(code, s.data_ptr(), dp.data_ptr(), lse[b, :, r0].data_ptr(), H, r1 - r0, kc, r0,
-                                     b * H, Sq, scale, causal, pad, _pointer(seed), t16, ks)
-            # s now holds the dropped P, dp the gradient of the raw scores.
-            _bmm_into(dq[b, :, r0:r1], dp, kb)
-            if single:
-                _bmm_into(dv_acc[:, :kc], s.transpose(1, 2), doc)
-                _bmm_into(dk_acc[:, :kc], dp.transpose(1, 2), qc)
-                if kc < Sk:
-                    dv_acc[:, kc:].zero_()
-                    dk_acc[:, kc:].zero_()
-            else:
-                dv_acc[:, :kc] += torch.bmm(s.transpose(1, 2), doc)
-                dk_acc[:, :kc] += torch.bmm(dp.transpose(1, 2), qc)
-        if not single:
-            dk[b].copy_(dk_acc)
-            dv[b].copy_(dv_acc)
+    """dq, dk, dv (contiguous) from do (contiguous); delta = rowsum(dO * O) is taken inside."""
+    sizes, problem = _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, seed, t16, ks)
+    _C.attention_backward(DTYPE_CODES[q.dtype], sizes, do.data_ptr(), q.data_ptr(), _strides(q), k.data_ptr(),
+                          _strides(k), v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(),
+                          dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), **problem)
 
 
 _CPP_ADAPTERS = {

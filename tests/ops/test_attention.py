@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import selective_ckpt
-from selective_ckpt import backend, rng
+from selective_ckpt import rng
 from selective_ckpt.ops import attention as attention_ops
 from tests.reference import assert_within_rule
 
@@ -178,22 +178,6 @@ def test_identical_calls_are_bit_identical_and_seed_none_follows_manual_seed(bac
         assert torch.equal(x, y)
     other = run(lambda a, b, c: selective_ckpt.attention(a, b, c, dropout_p=0.2), q, k, v, grad)  # a fresh seed
     assert not torch.equal(other[0], calls[0][0])
-
-
-def test_chunked_cpu_path_matches_one_chunk(monkeypatch, use_backend):
-    use_backend("cpp")
-    q, k, v = make_inputs(2, 2, 77, 113, 64, torch.float32)
-    mask = make_mask(2, 113)
-    grad = torch.randn(2, 2, 77, 64, generator=torch.Generator().manual_seed(9))
-    fn = lambda a, b, c: selective_ckpt.attention(a, b, c, dropout_p=0.17, key_padding_mask=mask, seed=3)
-    whole = run(fn, q, k, v, grad)
-    monkeypatch.setattr(backend, "ATTENTION_CHUNK_ELEMS", 2 * 113 * 10)  # 10-row chunks
-    assert backend.attention_chunk_rows(2, 77, 113) == 10
-    for x, y in zip(whole, run(fn, q, k, v, grad)):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-    for causal in (False, True):  # 16-bit chunks accumulate dK, dV in fp32
-        qb, kb, vb = (t.to(torch.bfloat16) for t in make_inputs(1, 2, 113, 113, 16, torch.float32))
-        check_against_eager(qb, kb, vb, causal, 0.17, None)
 
 
 @interpreted
