@@ -1,6 +1,13 @@
-"""What every model integration shares: the refusal type and parameter copying."""
+"""What every model integration shares: the refusal type, parameter copying, per-layer recompute modes."""
+
+import functools
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from .. import recompute
+from ..validation import check_mode
+from .patches import PATCHED, patch_forward
 
 
 class ConversionError(ValueError):
@@ -17,3 +24,49 @@ def factory(module):
 def copy_param(dst, src, transpose=False):
     dst.copy_(src.t() if transpose else src)
     dst.requires_grad_(src.requires_grad)
+
+
+STATE = "_selective_ckpt"  # attribute of a converted decoder layer holding its LayerRecompute
+
+
+class LayerRecompute:
+    """The recompute mode of a converted Hugging Face decoder layer (what set_recompute sets).
+
+    "selective": norm and activation outputs are dropped and rebuilt (recompute.scope around the
+    layer); "none": they are kept; "full": transformers' own gradient checkpointing of the layer
+    (so `model.gradient_checkpointing_enable()` reads as "full" on every layer).
+    """
+
+    def __init__(self, layer, mode):
+        self.layer = layer
+        self.recompute = mode
+
+    @property
+    def recompute(self):
+        return "full" if getattr(self.layer, "gradient_checkpointing", False) else self._mode
+
+    @recompute.setter
+    def recompute(self, mode):
+        check_mode(mode)
+        layer = self.layer
+        if mode == "full":
+            if getattr(layer, "_gradient_checkpointing_func", None) is None:
+                layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+            layer.gradient_checkpointing = True
+            self._mode = "selective"
+        else:
+            layer.gradient_checkpointing = False
+            self._mode = mode
+
+
+def _decoder_layer_forward(self, *args, **kwargs):
+    with recompute.scope(getattr(self, STATE).recompute == "selective"):
+        return getattr(self, PATCHED)(*args, **kwargs)
+
+
+def convert_decoder_layer(layer, mode):
+    """Wraps the layer's forward in a recompute scope chosen by its mode; modules and parameters stay."""
+    if not hasattr(type(layer), "gradient_checkpointing"):
+        raise ConversionError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer")
+    setattr(layer, STATE, LayerRecompute(layer, mode))
+    patch_forward(layer, _decoder_layer_forward)
