@@ -15,7 +15,7 @@ def triple(build):
     """(float64 reference, float32 unconverted on SDPA, float32 converted) with the same weights."""
     torch.manual_seed(0)
     ref = build().double().train()
-    ref.config._attn_implementation = "eager"  # float64 eager: the reference
+    ref.config._attn_implementation = "sdpa"  # float64 (SDPA math path; HF eager masks give NaN in float64)
     plain = copy.deepcopy(ref).float()
     plain.config._attn_implementation = "sdpa"
     ours = convert(copy.deepcopy(plain))
@@ -76,3 +76,67 @@ def greedy(model, ids, n=6):
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                               pad_token_id=0)
+
+
+def check_family_basics(build, tmp_path, model_cls):
+    """Rule against float64 (padded and not), state dict unchanged, save/load both ways, greedy generate."""
+    ref, plain, ours = triple(build)
+    ids, mask = batch()
+    assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+    assert_matches_reference(ref, plain, ours, input_ids=ids)
+    assert_same_state(ours, plain)
+    ours.save_pretrained(tmp_path / "ours")
+    back = model_cls.from_pretrained(tmp_path / "ours", attn_implementation="sdpa")
+    assert_same_state(back, plain)
+    plain.save_pretrained(tmp_path / "plain")
+    ours2 = convert(model_cls.from_pretrained(tmp_path / "plain"))
+    assert_same_state(ours2, plain)
+    ours.eval()
+    plain.eval()
+    assert torch.equal(greedy(ours, ids[:1, :7]), greedy(plain, ids[:1, :7]))
+
+
+def check_lora_both_orders(build):
+    """PEFT LoRA before and after convert: adapters active, gradients as the unconverted LoRA model's."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora(model):
+        torch.manual_seed(5)
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        return get_peft_model(model, cfg)
+
+    ref, plain, _ = triple(build)
+    ids, mask = batch()
+    ref_l, plain_l = lora(ref), lora(plain)
+    before = convert(lora(copy.deepcopy(plain)))
+    after = lora(convert(copy.deepcopy(plain)))
+    for model in (before, after):
+        assert_matches_reference(ref_l, plain_l, model, input_ids=ids, attention_mask=mask)
+        with model.disable_adapter():
+            off = model(input_ids=ids).logits
+        assert not torch.allclose(off, model(input_ids=ids).logits), "adapters must be active"
+
+
+def check_modes_identical(model, ids, mask):
+    """"none", "selective" and "full" (and gradient_checkpointing_enable) give the same bits."""
+    from selective_ckpt import set_recompute
+
+    results = []
+    for mode in ("none", "selective", "full", "hf"):
+        if mode == "hf":
+            set_recompute(model, "selective")
+            model.gradient_checkpointing_enable()
+            assert set_recompute.__module__ and all(m._selective_ckpt.recompute == "full" for m in _layers(model))
+        else:
+            set_recompute(model, mode)
+        torch.manual_seed(3)
+        results.append(_step(model, input_ids=ids, attention_mask=mask))
+    model.gradient_checkpointing_disable()
+    for logits, grads in results[1:]:
+        assert torch.equal(logits, results[0][0])
+        for n, g in grads.items():
+            assert torch.equal(g, results[0][1][n]), n
+
+
+def _layers(model):
+    return [m for m in model.modules() if hasattr(m, "_selective_ckpt")]
