@@ -60,7 +60,15 @@ class LayerRecompute:
 
 
 def _decoder_layer_forward(self, *args, **kwargs):
-    with recompute.scope(getattr(self, STATE).recompute == "selective"):
+    mode = getattr(self, STATE).recompute
+    if mode == "full" and self.training and torch.is_grad_enabled():
+        # The checkpointed re-run would append to a kv cache twice (transformers drops only a
+        # keyword `cache`; GPT-2 passes it by position): a checkpointed layer fills none.
+        from transformers.cache_utils import Cache
+        args = tuple(None if isinstance(a, Cache) else a for a in args)
+        kwargs = {k: (None if isinstance(v, Cache) else v) for k, v in kwargs.items()}
+        kwargs["use_cache"] = False
+    with recompute.scope(mode == "selective"):
         return getattr(self, PATCHED)(*args, **kwargs)
 
 
