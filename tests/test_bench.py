@@ -6,6 +6,7 @@ against memory.estimate and against hand counts of the eager rows, not against t
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,11 +39,17 @@ def quick_run(tmp_path_factory):
 def test_quick_run_prints_the_table_and_writes_csv(quick_run):
     proc, out, rows = quick_run
     cfg = bench.CONFIGS["quick"]
-    for label in bench.ROW_LABELS.values():
-        assert proc.stdout.count(label) == len(cfg["seqs"]), label
-    assert "selective keeps" in proc.stdout
-    assert {(int(r["seq"]), r["row"]) for r in rows} == {(s, k) for s in cfg["seqs"] for k in bench.ROWS}
-    assert len(rows) == len(cfg["seqs"]) * len(bench.ROWS)
+    assert set(cfg["rows"]) == set(bench.ROWS) - set(bench.COMPILED_ROWS)  # --quick skips only the compiled rows
+    for row in cfg["rows"]:
+        label = bench.ROW_LABELS[row]
+        found = [line for line in proc.stdout.splitlines() if re.match(rf"\d+ +{re.escape(label)}  ", line)]
+        assert len(found) == len(cfg["seqs"]), label
+    assert "selective keeps" in proc.stdout and "the SDPA layer under torch checkpoint" in proc.stdout
+    assert {(int(r["seq"]), r["row"]) for r in rows} == {(s, k) for s in cfg["seqs"] for k in cfg["rows"]}
+    assert len(rows) == len(cfg["seqs"]) * len(cfg["rows"])
+    for r in rows:  # where and when: every row carries the environment
+        assert r["timestamp"] and r["torch"] == torch.__version__ and r["selective_ckpt"] and int(r["threads"]) >= 1
+        assert float(r["step_s_p20"]) <= float(r["step_s"]) <= float(r["step_s_p80"])
     # progress on stderr: the bar (tqdm) or plain lines
     assert "ledger" in proc.stderr
     try:
@@ -62,8 +69,12 @@ def test_quick_run_kept_bytes_match_independent_counts(quick_run):
         t = s * b
         if r["row"] in memory.MODES:
             assert kept == memory.estimate(h, a, s, b, torch.float32, recompute=r["row"]), r
-        elif r["row"] == "eager-ckpt":
+        elif r["row"] in ("eager-ckpt", "sdpa-ckpt"):
             assert kept == t * h * e  # the checkpointed layer's input only
+        elif r["row"] == "sdpa":
+            # x, LN1 out, qkv (3h: q, k, v are views), SDPA out (h; proj reads a view), x1, LN2 out, fc1 (4h),
+            # GELU out (4h), SDPA's logsumexp and the LayerNorms' mean and rstd in fp32
+            assert kept == t * h * 16 * e + a * t * 4 + 2 * 2 * t * 4, r
         elif r["row"] == "eager-sac":
             # input + in_proj (3h) + scores [B*a, S, S] + attn@v + out_proj + fc1 (4h) + fc2 outputs
             assert kept == (t * h * (1 + 3 + 1 + 1 + 4 + 1) + b * a * s * s) * e, r
@@ -80,15 +91,33 @@ def test_quick_run_ratios_and_budget_columns(quick_run):
         assert step > 0 and float(r["step_s_min"]) <= step
         assert float(r["time_vs_eager"]) == pytest.approx(step / float(eager["step_s"]))
         assert float(r["time_vs_none"]) == pytest.approx(step / float(none["step_s"]))
+        assert float(r["time_vs_sdpa"]) == pytest.approx(step / float(by[(r["seq"], "sdpa")]["step_s"]))
         kept, kept_eager = int(r["kept_bytes_per_layer"]), int(eager["kept_bytes_per_layer"])
         assert float(r["kept_vs_eager"]) == pytest.approx(kept / kept_eager)
         assert int(r["peak_bytes"]) > 0
         assert int(r["model_kept_bytes"]) == int(r["model_layers"]) * int(r["kept_bytes_per_layer"])
         assert int(r["budget_bytes"]) == bench.CPU_BUDGET
     for seq in {r["seq"] for r in rows}:
-        mb = {k: int(by[(seq, k)]["max_batch"]) for k in bench.ROWS}
+        mb = {k: int(by[(seq, k)]["max_batch"]) for k in bench.CONFIGS["quick"]["rows"]}
         assert mb["full"] > mb["selective"] > mb["none"] >= 1
         assert mb["eager-ckpt"] > mb["eager"] >= 1
+
+
+def test_compiled_row_runs_in_its_own_process_with_its_budget(tmp_path):
+    """torch.compile rows: one process per activation_memory_budget, SDPA timed beside them there."""
+    out = tmp_path / "compiled"
+    cmd = [sys.executable, "-m", "selective_ckpt.bench", "--device", "cpu", "--hidden", "32", "--heads", "2",
+           "--layers", "1", "--batch", "1", "--seq", "16", "--repeats", "2", "--warmup", "1", "--no-plots",
+           "--no-progress", "--rows", "sdpa,sdpa-compile-budget", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out / "results.csv") as f:
+        rows = {r["row"]: r for r in csv.DictReader(f)}
+    compiled = rows["sdpa-compile-budget"]
+    assert float(compiled["activation_memory_budget"]) == 0.5
+    assert 0 < float(compiled["time_vs_sdpa"]) and int(compiled["kept_bytes_per_layer"]) > 0
+    # a budget of 0.5 may recompute but never keeps more than the eager SDPA layer
+    assert int(compiled["kept_bytes_per_layer"]) <= int(rows["sdpa"]["kept_bytes_per_layer"])
 
 
 def test_help_documents_every_flag():

@@ -1,4 +1,4 @@
-"""The main job: activation memory, peak memory and step time of one decoder layer stack, six ways.
+"""The main job: activation memory, peak memory and step time of one decoder layer stack, ten ways.
 
     python -m selective_ckpt.bench                 # CPU: h=512, a=8, 2 layers, B=2, seq 256/512/1024
     python -m selective_ckpt.bench --quick         # tiny CPU config (< 1 minute)
@@ -8,6 +8,12 @@ Rows, measured in the same run on the same input:
   eager            the seeds' layer: pre-LN, nn.MultiheadAttention with its default arguments, GELU MLP
   eager-ckpt       that layer under torch.utils.checkpoint(use_reentrant=False), per layer
   eager-sac        that layer under PyTorch's selective checkpoint policy saving matmul outputs
+  sdpa             the same layer as users write it today: nn modules around scaled_dot_product_attention
+  sdpa-ckpt        that layer under torch.utils.checkpoint(use_reentrant=False), per layer
+  sdpa-compile     that layer stack under torch.compile (default settings)
+  sdpa-compile-budget   the same with torch._functorch.config.activation_memory_budget = 0.5
+                   (each compiled row runs in a process of its own, with the sdpa row timed beside it
+                   there for its "vs sdpa" ratio; --quick skips them)
   none / selective / full   SelectiveDecoderLayer with that recompute mode
 
 Columns:
@@ -17,23 +23,35 @@ Columns:
                (parameters, input; grads set to None first). CUDA: torch.cuda.max_memory_allocated.
                CPU: memory.cpu_peak_bytes, the running sum of the profiler's allocation events.
   step         median wall time of a forward+backward step over --repeats runs (rows interleaved
-               run by run, so load drift on a shared machine hits all rows alike), and its ratio to
-               eager and to "none"; "min ms" is the fastest run, the least disturbed one
+               run by run, so load drift on a shared machine hits all rows alike), its 20th-80th
+               percentile spread, and its ratio to eager, to the SDPA layer and to "none"; "min ms" is
+               the fastest run, the least disturbed one
   max batch    largest batch of a --model-layers model that fits --budget, projected linearly from
                this run: weights + grads (2 * params) + b * ((L - N) * kept/layer + step peak
                above grads) / B, where N is the measured stack's depth and B its batch
-Output: the table on stdout, results.csv and (with matplotlib) kept_memory.png and step_time.png in --out.
+Output: the table on stdout, results.csv (with the machine, versions and a timestamp on every row) and,
+with matplotlib, kept_memory.png, step_time.png and tradeoff.png (kept bytes against step time) in --out.
 """
 
 from pathlib import Path
 
-from .config import CONFIGS, CPU_BUDGET, MODEL_LAYERS, ROW_LABELS, ROWS, build_parser, parse_budget, resolve_config
+from .config import (
+    COMPILED_ROWS,
+    CONFIGS,
+    CPU_BUDGET,
+    MODEL_LAYERS,
+    ROW_LABELS,
+    ROWS,
+    build_parser,
+    parse_budget,
+    resolve_config,
+)
 from .report import describe, format_table, summary, write_csv, write_plots
 from .runner import Progress, Step, build_stack, measure_peak, run, sync
 
-__all__ = ["CONFIGS", "CPU_BUDGET", "MODEL_LAYERS", "Progress", "ROWS", "ROW_LABELS", "Step", "build_parser",
-           "build_stack", "describe", "format_table", "main", "measure_peak", "parse_budget", "resolve_config", "run",
-           "summary", "sync", "write_csv", "write_plots"]
+__all__ = ["COMPILED_ROWS", "CONFIGS", "CPU_BUDGET", "MODEL_LAYERS", "Progress", "ROWS", "ROW_LABELS", "Step",
+           "build_parser", "build_stack", "describe", "format_table", "main", "measure_peak", "parse_budget",
+           "resolve_config", "run", "summary", "sync", "write_csv", "write_plots"]
 
 
 def main(argv=None):

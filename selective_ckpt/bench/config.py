@@ -8,11 +8,19 @@ import torch
 
 from .. import memory
 
-ROWS = ("eager", "eager-ckpt", "eager-sac", "none", "selective", "full")
+ROWS = ("eager", "eager-ckpt", "eager-sac", "sdpa", "sdpa-ckpt", "sdpa-compile", "sdpa-compile-budget", "none",
+        "selective", "full")
+# torch.compile rows run in a subprocess each: compiled graphs and the activation_memory_budget are
+# process-wide, so one process measures one budget (docs/DESIGN.md, Known traps).
+COMPILED_ROWS = {"sdpa-compile": None, "sdpa-compile-budget": 0.5}
 ROW_LABELS = {
     "eager": "eager (nn.MultiheadAttention)",
     "eager-ckpt": "eager + torch checkpoint",
     "eager-sac": "eager + SAC (save matmuls)",
+    "sdpa": "SDPA layer",
+    "sdpa-ckpt": "SDPA layer + torch checkpoint",
+    "sdpa-compile": "SDPA layer, torch.compile",
+    "sdpa-compile-budget": "SDPA layer, compile budget 0.5",
     "none": "SelectiveDecoderLayer none",
     "selective": "SelectiveDecoderLayer selective",
     "full": "SelectiveDecoderLayer full",
@@ -20,7 +28,8 @@ ROW_LABELS = {
 
 CONFIGS = {
     "cpu": dict(hidden=512, heads=8, layers=2, batch=2, seqs=(256, 512, 1024), dtype="fp32", repeats=5, warmup=1),
-    "quick": dict(hidden=128, heads=4, layers=1, batch=2, seqs=(64, 128), dtype="fp32", repeats=3, warmup=1),
+    "quick": dict(hidden=128, heads=4, layers=1, batch=2, seqs=(64, 128), dtype="fp32", repeats=3, warmup=1,
+                  rows=tuple(r for r in ROWS if r not in COMPILED_ROWS)),
     "cuda": dict(hidden=4096, heads=32, layers=1, batch=1, seqs=(2048, 4096, 8192), dtype="bf16", repeats=10,
                  warmup=3),
 }
@@ -118,7 +127,9 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed steps per row before timing; on cpu the first one runs under the memory profiler "
                         "(default per device)")
-    p.add_argument("--rows", type=_row_list, default=list(ROWS), help="comma-separated rows to run: " + ",".join(ROWS))
+    p.add_argument("--rows", type=_row_list, default=None,
+                   help="comma-separated rows to run: " + ",".join(ROWS) + " (default: all; --quick skips the "
+                        "torch.compile rows)")
     p.add_argument("--model-layers", type=_positive, default=MODEL_LAYERS,
                    help="depth L of the model the max-batch and model-memory columns are projected to")
     p.add_argument("--budget", type=parse_budget, default=None,
@@ -150,7 +161,7 @@ def resolve_config(args):
         "dtype": memory.as_dtype(args.dtype or base["dtype"]),
         "repeats": args.repeats or base["repeats"],
         "warmup": base["warmup"] if args.warmup is None else max(0, args.warmup),
-        "rows": list(args.rows),
+        "rows": list(args.rows or base.get("rows", ROWS)),
         "model_layers": args.model_layers,
         "causal": args.causal,
     }

@@ -1,6 +1,9 @@
 """Builds each row's layer stack and measures it: ledger, step peak memory and interleaved step times."""
 
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -11,6 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from .. import memory
 from ..layers import SelectiveDecoderLayer
 from ..models.eager import EagerDecoderLayer
+from .config import COMPILED_ROWS
+from .sdpa_layer import SDPADecoderLayer
 
 
 class Checkpointed(nn.Module):
@@ -34,13 +39,18 @@ def build_stack(row, cfg):
         if row in ("none", "selective", "full"):
             layers.append(SelectiveDecoderLayer(h, a, mlp_ratio=r, causal=causal, recompute=row, **factory))
             continue
-        layer = EagerDecoderLayer(h, a, mlp_ratio=r, causal=causal, **factory)
-        if row == "eager-ckpt":
+        if row.startswith("sdpa"):
+            layer = SDPADecoderLayer(h, a, mlp_ratio=r, causal=causal, **factory)
+        else:
+            layer = EagerDecoderLayer(h, a, mlp_ratio=r, causal=causal, **factory)
+        if row.endswith("-ckpt"):
             layer = Checkpointed(layer)
         elif row == "eager-sac":
             layer = Checkpointed(layer, memory.sac_context_fn())
         layers.append(layer)
-    return nn.Sequential(*layers).train()
+    stack = nn.Sequential(*layers).train()
+    # The process's activation_memory_budget applies (set by selective_ckpt.bench.compiled).
+    return torch.compile(stack) if row in COMPILED_ROWS else stack
 
 
 def sync(device):
@@ -119,48 +129,84 @@ def param_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def run(cfg, progress=True):
-    """Measure every row at every sequence length; returns a list of result dicts."""
-    device, rows, n = cfg["device"], cfg["rows"], cfg["layers"]
+def _spread(times):
+    """(median, fastest, p20, p80) of a row's step times."""
+    q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4
+    return statistics.median(times), min(times), q[0], q[3]
+
+
+def measure(cfg, rows, prog):
+    """Ledger, peak and interleaved step times of `rows` (built in this process) at every sequence length."""
+    device, n = cfg["device"], cfg["layers"]
     # CPU: the profiled step doubles as the first warm-up step. CUDA: peak after warm-up, so one-off
     # allocations (Triton compilation, cuBLAS workspaces) stay out of it.
     warm = max(0, cfg["warmup"] - 1) if device == "cpu" else cfg["warmup"]
-    prog = Progress(len(cfg["seqs"]) * len(rows) * (2 + warm + cfg["repeats"]), progress)
     results = []
+    for seq in cfg["seqs"]:
+        torch.manual_seed(cfg.get("seed", 0))
+        x = torch.randn(cfg["batch"], seq, cfg["hidden"], device=device, dtype=cfg["dtype"], requires_grad=True)
+        gy = torch.randn_like(x)
+        models = {row: build_stack(row, cfg) for row in rows}
+        steps = {row: Step(models[row], x, gy) for row in rows}
+        res = {row: {"seq": seq, "row": row} for row in rows}
+        for row in rows:
+            if row in COMPILED_ROWS:  # compile before the ledger, whose module hooks would fire in tracing
+                steps[row]()
+            prog.update(f"s={seq} {row}: ledger")
+            res[row]["kept_bytes_per_layer"] = memory.ledger(models[row], x).total // n
+            res[row]["param_bytes_per_layer"] = param_bytes(models[row]) // n
+        for row in rows:
+            if device == "cpu":
+                prog.update(f"s={seq} {row}: peak")
+                res[row]["peak_bytes"] = measure_peak(steps[row], device)
+            for _ in range(warm):
+                steps[row]()
+                prog.update(f"s={seq} {row}: warmup")
+            if device != "cpu":
+                prog.update(f"s={seq} {row}: peak")
+                res[row]["peak_bytes"] = measure_peak(steps[row], device)
+        times = {row: [] for row in rows}
+        for _ in range(cfg["repeats"]):
+            for row in rows:
+                times[row].append(_time_once(steps[row], device))
+                prog.update(f"s={seq} {row}: timing")
+        for row in rows:
+            r = res[row]
+            r["step_s"], r["step_s_min"], r["step_s_p20"], r["step_s_p80"] = _spread(times[row])
+        del models, steps
+        results += [res[row] for row in rows]
+    return results
+
+
+def _measure_compiled(cfg, row):
+    """One torch.compile row in its own process, with the plain SDPA row timed beside it there."""
+    spec = {k: v for k, v in cfg.items() if k != "rows"}
+    spec["dtype"] = str(cfg["dtype"]).replace("torch.", "")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "selective_ckpt.bench.compiled", row, json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {row} row failed in its process:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(cfg, progress=True):
+    """Measure every row at every sequence length; returns a list of result dicts."""
+    rows = cfg["rows"]
+    local = [r for r in rows if r not in COMPILED_ROWS]
+    compiled = [r for r in rows if r in COMPILED_ROWS]
+    warm = max(0, cfg["warmup"] - 1) if cfg["device"] == "cpu" else cfg["warmup"]
+    prog = Progress(len(cfg["seqs"]) * len(local) * (2 + warm + cfg["repeats"]) + len(compiled), progress)
     try:
-        for seq in cfg["seqs"]:
-            torch.manual_seed(cfg.get("seed", 0))
-            x = torch.randn(cfg["batch"], seq, cfg["hidden"], device=device, dtype=cfg["dtype"], requires_grad=True)
-            gy = torch.randn_like(x)
-            models = {row: build_stack(row, cfg) for row in rows}
-            steps = {row: Step(models[row], x, gy) for row in rows}
-            res = {row: {"seq": seq, "row": row} for row in rows}
-            for row in rows:
-                prog.update(f"s={seq} {row}: ledger")
-                res[row]["kept_bytes_per_layer"] = memory.ledger(models[row], x).total // n
-                res[row]["param_bytes_per_layer"] = param_bytes(models[row]) // n
-            for row in rows:
-                if device == "cpu":
-                    prog.update(f"s={seq} {row}: peak")
-                    res[row]["peak_bytes"] = measure_peak(steps[row], device)
-                for _ in range(warm):
-                    steps[row]()
-                    prog.update(f"s={seq} {row}: warmup")
-                if device != "cpu":
-                    prog.update(f"s={seq} {row}: peak")
-                    res[row]["peak_bytes"] = measure_peak(steps[row], device)
-            times = {row: [] for row in rows}
-            for _ in range(cfg["repeats"]):
-                for row in rows:
-                    times[row].append(_time_once(steps[row], device))
-                    prog.update(f"s={seq} {row}: timing")
-            for row in rows:
-                res[row]["step_s"] = statistics.median(times[row])
-                res[row]["step_s_min"] = min(times[row])
-            del models, steps
-            results += [res[row] for row in rows]
+        results = measure(cfg, local, prog) if local else []
+        for row in compiled:
+            prog.update(f"{row}: own process (compiles per sequence length)", 0)
+            results += _measure_compiled(cfg, row)
+            prog.update(f"{row}: done")
     finally:
         prog.close()
+    order = {r: i for i, r in enumerate(rows)}
+    results.sort(key=lambda r: (cfg["seqs"].index(r["seq"]), order[r["row"]]))
     _derive(results, cfg)
     return results
 
@@ -171,9 +217,12 @@ def _derive(results, cfg):
     L, n, B = cfg["model_layers"], cfg["layers"], cfg["batch"]
     for r in results:
         eager, none = by.get((r["seq"], "eager")), by.get((r["seq"], "none"))
+        sdpa = by.get((r["seq"], "sdpa"))
         r["kept_vs_eager"] = r["kept_bytes_per_layer"] / eager["kept_bytes_per_layer"] if eager else None
         r["time_vs_eager"] = r["step_s"] / eager["step_s"] if eager else None
         r["time_vs_none"] = r["step_s"] / none["step_s"] if none else None
+        if "time_vs_sdpa" not in r:  # compiled rows bring theirs, measured beside SDPA in their own process
+            r["time_vs_sdpa"] = r["step_s"] / sdpa["step_s"] if sdpa else None
         P = r["param_bytes_per_layer"]
         r["model_kept_bytes"] = L * r["kept_bytes_per_layer"]
         work = max(0, r["peak_bytes"] - n * P)  # the step's peak above the gradients it allocates
