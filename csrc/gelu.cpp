@@ -19,22 +19,15 @@
 #include "registry.h"
 #include "dtypes.h"
 #include "fastmath.h"
+#include "activations.h"
 
 namespace py = pybind11;
 
 namespace sckpt {
 namespace {
 
-constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2 / pi)
 constexpr double kInvSqrt2 = 0.70710678118654752440;     // 1 / sqrt(2)
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;   // 1 / sqrt(2 pi)
-constexpr double kTanhCubic = 0.044715;
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SCKPT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SCKPT_CLONES
-#endif
 
 // erfc(z) for z >= 0 as t exp(-z^2 + P(t)), t = 1 / (1 + z/2), the form of Press et al.,
 // Numerical Recipes 6.2 (Chebyshev fitting). P is our own degree-9 weighted least-squares fit of
@@ -63,44 +56,26 @@ inline float normal_cdf_f(float x) {
   return x < 0.0f ? half_erfc : 1.0f - half_erfc;
 }
 
-// s = sigmoid(2u) = (1 + tanh(u)) / 2 of the tanh form; *e = exp(-2u), so that 1 - s = e * s
-// without cancellation.
-inline float tanh_gate_f(float x, float* e) {
-  const float u = float(kSqrt2OverPi) * (x + float(kTanhCubic) * x * x * x);
-  *e = fast_expf(-2.0f * u);
-  return 1.0f / (1.0f + *e);
-}
-
 template <bool kTanh>
 inline float gelu_f(float x) {
-  float e;
-  return x * (kTanh ? tanh_gate_f(x, &e) : normal_cdf_f(x));
+  return kTanh ? gelu_tanh_f(x) : x * normal_cdf_f(x);
 }
 
 // d/dx x * Phi(x) = Phi(x) + x phi(x);  d/dx x * s(x), s = sigmoid(2u): s + x * 2 s (1 - s) u'.
 template <bool kTanh>
 inline float gelu_grad_f(float x) {
-  if (kTanh) {
-    float e;
-    const float s = tanh_gate_f(x, &e);
-    const float du = float(kSqrt2OverPi) * (1.0f + float(3 * kTanhCubic) * x * x);
-    return s + x * 2.0f * s * (e * s) * du;
-  }
+  if (kTanh) return gelu_tanh_grad_f(x);
   return normal_cdf_f(x) + x * float(kInvSqrt2Pi) * fast_expf(-0.5f * x * x);
 }
 
 // float64 through libm.
 inline double gelu_d(double x, bool tanh_form) {
-  if (tanh_form) return 0.5 * x * (1.0 + std::tanh(kSqrt2OverPi * (x + kTanhCubic * x * x * x)));
+  if (tanh_form) return gelu_tanh_d(x);
   return 0.5 * x * std::erfc(-x * kInvSqrt2);
 }
 
 inline double gelu_grad_d(double x, bool tanh_form) {
-  if (tanh_form) {
-    const double t = std::tanh(kSqrt2OverPi * (x + kTanhCubic * x * x * x));
-    const double du = kSqrt2OverPi * (1.0 + 3 * kTanhCubic * x * x);
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du;
-  }
+  if (tanh_form) return gelu_tanh_grad_d(x);
   return 0.5 * std::erfc(-x * kInvSqrt2) + x * kInvSqrt2Pi * std::exp(-0.5 * x * x);
 }
 

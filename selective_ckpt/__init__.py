@@ -11,7 +11,9 @@ from .ops.attention import attention
 from .ops.dropout import dropout
 from .ops.gelu import gelu_mlp
 from .ops.layer_norm import layer_norm
+from .ops.rms_norm import rms_norm
+from .ops.swiglu import swiglu_mlp
 
 __all__ = ["ConversionError", "SelectiveAttention", "SelectiveDecoderLayer", "SelectiveMLP", "attention", "convert",
-           "dropout", "gelu_mlp", "layer_norm", "memory", "rng", "set_recompute"]
+           "dropout", "gelu_mlp", "layer_norm", "memory", "rms_norm", "rng", "set_recompute", "swiglu_mlp"]
 __version__ = "0.1.0"

@@ -4,6 +4,8 @@
   in backward for the Linear's weight gradient (or keeps LN(x) when `store`).
 - `ln_mlp(...)`: LayerNorm followed by the GELU-MLP (ops/gelu.py): keeps x, mean, rstd and the fc1
   output; LN(x) and the GELU output are rebuilt in backward unless `store`.
+- `rms_linear(...)`, `rms_mlp(...)`: the same with RMSNorm (Llama form, ops/rms_norm.py; keeps x
+  and rstd) and, for the MLP, the gated MLP (ops/swiglu.py; keeps the gate and up outputs).
 
 Stored and recomputed LayerNorm outputs come from the same kernel and the same saved statistics,
 so `store=True` and `store=False` give bit-identical gradients.
@@ -17,6 +19,8 @@ import torch.nn.functional as F
 
 from .ops.gelu import mlp_backward, mlp_forward
 from .ops.layer_norm import layer_norm_apply, layer_norm_bwd, layer_norm_fwd
+from .ops.rms_norm import rms_norm_apply, rms_norm_bwd, rms_norm_fwd
+from .ops.swiglu import gated_mlp_backward, gated_mlp_forward
 
 
 def norm_dtype(x):
@@ -135,3 +139,87 @@ def ln_mlp(x, ln_w, ln_b, w1, b1, w2, b2, eps=1e-5, dropout_p=0.0, approximate="
     """
     return _LNMLP.apply(x, ln_w, ln_b, w1, b1, w2, b2, float(eps), float(dropout_p), approximate, seed, bool(store),
                         compute_dtype(x))
+
+
+# RMSNorm (Llama form: offset 0) runs in the input's dtype whatever autocast says, as Hugging Face's
+# LlamaRMSNorm does (it upcasts to float32 itself and casts back to the input dtype).
+
+
+def _rms_grads(dy_norm, x, norm_w, rstd, need_x, need_w):
+    """(dx, dnorm_w) in the dtypes of x and the norm weight, None where not needed."""
+    dx, dw = rms_norm_bwd(dy_norm.to(x.dtype).contiguous(), x, rstd, norm_w.to(x.dtype), 0.0)
+    return (dx if need_x else None), (dw.to(norm_w.dtype) if need_w else None)
+
+
+class _RMSLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, norm_w, w, b, eps, store, cd):
+        y, rstd = rms_norm_fwd(x, norm_w.to(x.dtype), eps, 0.0)
+        u = y.to(cd)
+        out = F.linear(u, w.to(cd), _cast(b, cd))
+        ctx.cd, ctx.has_bias = cd, b is not None
+        ctx.save_for_backward(x, norm_w, w, rstd, u if store else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, norm_w, w, rstd, u = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        d2 = dout.contiguous().reshape(-1, dout.shape[-1])
+        dw = db = dx = dnw = None
+        if need[2]:
+            if u is None:
+                u = rms_norm_apply(x, norm_w.to(x.dtype), rstd, 0.0).to(ctx.cd)
+            dw = (d2.t() @ u.reshape(-1, u.shape[-1])).to(w.dtype)
+            del u
+        if need[3] and ctx.has_bias:
+            db = d2.sum(0).to(w.dtype)
+        if need[0] or need[1]:
+            du = (d2 @ w.to(ctx.cd)).reshape(x.shape)
+            dx, dnw = _rms_grads(du, x, norm_w, rstd, need[0], need[1])
+        return dx, dnw, dw, db, None, None, None
+
+
+def rms_linear(x, norm_w, w, b, eps=1e-6, store=False):
+    """F.linear(rms_norm(x), w, b) in one autograd node keeping x and rstd (+ the norm output if store)."""
+    return _RMSLinear.apply(x, norm_w, w, b, float(eps), bool(store), compute_dtype(x))
+
+
+class _RMSMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, norm_w, w_gate, b_gate, w_up, b_up, w_down, b_down, eps, p, activation, seed, store, cd):
+        y, rstd = rms_norm_fwd(x, norm_w.to(x.dtype), eps, 0.0)
+        u = y.to(cd)
+        params = tuple(_cast(t, cd) for t in (w_gate, b_gate, w_up, b_up, w_down, b_down))
+        out, gate, up, a = gated_mlp_forward(u, *params, p, activation, seed, store)
+        ctx.cd, ctx.p, ctx.activation = cd, p, activation
+        ctx.param_dtypes = tuple(None if t is None else t.dtype for t in (w_gate, b_gate, w_up, b_up, w_down, b_down))
+        ctx.save_for_backward(x, norm_w, *params, rstd, gate, up, a, u if store else None, seed if p else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, norm_w, wg, bg, wu, bu, wd, bd, rstd, gate, up, a, u, seed = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if u is None:
+            u = rms_norm_apply(x, norm_w.to(x.dtype), rstd, 0.0).to(ctx.cd)
+        need_u = need[0] or need[1]
+        grads = gated_mlp_backward(dy.contiguous(), u, gate, up, a, wg, bg, wu, bu, wd, bd, ctx.p, ctx.activation,
+                                   seed, (need_u, *need[2:8]))
+        del u
+        params = [g if (g is None or dt is None) else g.to(dt) for g, dt in zip(grads[1:], ctx.param_dtypes)]
+        dx = dnw = None
+        if need_u:
+            dx, dnw = _rms_grads(grads[0], x, norm_w, rstd, need[0], need[1])
+        return (dx, dnw, *params, None, None, None, None, None, None)
+
+
+def rms_mlp(x, norm_w, w_gate, b_gate, w_up, b_up, w_down, b_down, eps=1e-6, dropout_p=0.0, activation="silu",
+            seed=None, store=False):
+    """swiglu_mlp(rms_norm(x)) in one autograd node keeping x, rstd and the gate and up outputs.
+
+    `seed` is the seed tensor (rng.seed_arg) on x's device, required when dropout_p > 0. With
+    `store`, the norm output and the product act(gate) * up are kept too (nothing rebuilt, same bits).
+    """
+    return _RMSMLP.apply(x, norm_w, w_gate, b_gate, w_up, b_up, w_down, b_down, float(eps), float(dropout_p),
+                         activation, seed, bool(store), compute_dtype(x))

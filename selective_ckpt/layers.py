@@ -6,6 +6,11 @@ Per token and hidden unit, in elements, a layer keeps for backward (docs/DESIGN.
   o 1 (proj reads it in place), x1 (LN2 input) 1, the fc1 output mlp_ratio: 10 with mlp_ratio 4,
   plus the fp32 row logsumexp [B, H, S] and the two LayerNorms' fp32 mean/rstd [B, S].
 - "none": the same kernels, but the two LayerNorm outputs and the GELU output are kept too (16).
+
+A Llama-style layer (norm="rmsnorm", activation "swiglu"/"geglu", num_kv_heads, rope_theta) keeps,
+per token, in elements: x h, q/k/v (H + 2 Hkv) D (after RoPE), o h, x1 h, the gate and up outputs
+2 ffn, plus lse and one fp32 rstd per norm; "none" adds both norm outputs and the product
+act(gate) * up (docs/DESIGN.md, "The Llama-style layer").
 - "full": torch.utils.checkpoint (non-reentrant) around the whole layer: only its input.
 
 All three give bit-identical outputs and gradients: the dropout seeds are drawn before the
@@ -18,22 +23,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import fused, rng
+from . import fused, rng, rotary
 from .ops.attention import attention_fwd_op
 from .ops.dropout import dropout_op
 from .ops.gelu import gelu_mlp
 from .validation import (
+    GATED_ACTIVATIONS,
+    PLAIN_ACTIVATIONS,
     RECOMPUTE_MODES,
     SUPPORTED_DTYPES,
     check_bool,
     check_heads,
+    check_layer_shape,
     check_mode,
     check_positive_float,
     check_positive_int,
     ffn_dim,
 )
 
-ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}  # activation -> GELU `approximate`
+ACTIVATIONS = PLAIN_ACTIVATIONS  # activation -> GELU `approximate`
 
 
 def _check_activation(activation):
@@ -61,17 +69,20 @@ def _check_input(x, hidden_dim, attention_mask):
         raise ValueError(f"x must have at least one batch element and one position, got shape {list(x.shape)}")
 
 
-def _attend(qkv, num_heads, causal, dropout_p, attention_mask, seed, softmax_scale):
-    """Attention over the packed qkv output [B, S, 3*hidden]; returns [B, S, hidden] without copies."""
-    B, S, three_hidden = qkv.shape
-    hidden = three_hidden // 3
-    # [B, S, 3, H, D] -> three [B, H, S, D] views with a contiguous last dim.
-    q, k, v = qkv.view(B, S, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4).unbind(0)
-    scale = softmax_scale if softmax_scale is not None else (hidden // num_heads) ** -0.5
+def _attend(qkv, num_heads, causal, dropout_p, attention_mask, seed, softmax_scale, num_kv_heads=None, window=0):
+    """Attention over the packed qkv output [B, S, (H + 2 Hkv) * D]; returns [B, S, H * D] without copies."""
+    B, S, width = qkv.shape
+    num_kv_heads = num_kv_heads or num_heads
+    head_dim = width // (num_heads + 2 * num_kv_heads)
+    nq, nk = num_heads * head_dim, num_kv_heads * head_dim
+    # [B, S, heads * D] slices -> [B, heads, S, D] views with a contiguous last dim; k, v keep Hkv heads.
+    q, k, v = (part.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+               for part in (qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]))
+    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     # The layer built q, k, v and drew the seed itself: the op is called without re-checking them.
-    o, _ = attention_fwd_op(q, k, v, attention_mask, None, causal, 0, float(dropout_p), float(scale),
+    o, _ = attention_fwd_op(q, k, v, attention_mask, None, causal, window, float(dropout_p), float(scale),
                             seed if dropout_p > 0 else None)
-    return o.transpose(1, 2).reshape(B, S, hidden)  # o is a view of a [B, S, H, D] buffer
+    return o.transpose(1, 2).reshape(B, S, nq)  # o is a view of a [B, S, H, D] buffer
 
 
 def _draw(p, device):
@@ -132,6 +143,12 @@ class SelectiveMLP(nn.Module):
 class SelectiveDecoderLayer(nn.Module):
     """Pre-LN decoder layer: x1 = x + dropout(proj(attention(qkv(ln1(x))))), y = x1 + gelu_mlp(ln2(x1)).
 
+    Llama-style with norm="rmsnorm" and activation="swiglu" (or "geglu"): ln1, ln2 are nn.RMSNorm,
+    the MLP is down_proj(act(gate_proj(.)) * up_proj(.)); num_kv_heads < num_heads gives grouped-query
+    attention (qkv outputs (H + 2 Hkv) * head_dim; q, k, v are views of it), rope_theta applies
+    rotary embeddings to q and k (positions from position_ids, else 0..S-1), sliding_window limits
+    each query to the last that many keys. ffn_dim, when given, wins over mlp_ratio.
+
     `recompute` picks what is kept for backward ("selective", "none", "full"; see the module doc);
     it can be changed at any time (set_recompute). Under no_grad nothing is kept in any mode.
     Each training forward with dropout draws three seeds (attention, proj, MLP) from torch's
@@ -140,11 +157,17 @@ class SelectiveDecoderLayer(nn.Module):
     """
 
     def __init__(self, hidden_dim, num_heads, mlp_ratio=4.0, dropout=0.0, attn_dropout=0.0, causal=True,
-                 activation="gelu", norm_eps=1e-5, bias=True, recompute="selective", device=None, dtype=None):
+                 activation="gelu", norm_eps=1e-5, bias=True, recompute="selective", device=None, dtype=None, *,
+                 num_kv_heads=None, ffn_dim=None, norm="layernorm", rope_theta=None, sliding_window=None):
         super().__init__()
-        self.head_dim = check_heads(hidden_dim, num_heads)
-        ffn = ffn_dim(hidden_dim, mlp_ratio)
-        self.approximate = _check_activation(activation)
+        self.head_dim, self.num_kv_heads, ffn = check_layer_shape(
+            hidden_dim, num_heads, mlp_ratio, num_kv_heads=num_kv_heads, ffn_dim=ffn_dim, norm=norm,
+            activation=activation, rope_theta=rope_theta, sliding_window=sliding_window)
+        self.gated = activation in GATED_ACTIVATIONS
+        self.approximate = GATED_ACTIVATIONS[activation] if self.gated else _check_activation(activation)
+        self.norm, self.ffn_dim = norm, ffn
+        self.rope_theta = None if rope_theta is None else float(rope_theta)
+        self.sliding_window = sliding_window
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
         check_bool(causal, "causal")
@@ -156,12 +179,22 @@ class SelectiveDecoderLayer(nn.Module):
         self.dropout, self.attn_dropout, self.activation = float(dropout), float(attn_dropout), activation
         self.softmax_scale = None  # None: 1 / sqrt(head_dim); convert() sets GPT-2's layer-wise scale
         factory = {"device": device, "dtype": dtype}
-        self.ln1 = nn.LayerNorm(hidden_dim, eps=norm_eps, bias=bias, **factory)
-        self.qkv = nn.Linear(hidden_dim, 3 * hidden_dim, bias=bias, **factory)
+        if norm == "rmsnorm":
+            self.ln1 = nn.RMSNorm(hidden_dim, eps=norm_eps, **factory)
+            self.ln2 = nn.RMSNorm(hidden_dim, eps=norm_eps, **factory)
+        else:
+            self.ln1 = nn.LayerNorm(hidden_dim, eps=norm_eps, bias=bias, **factory)
+            self.ln2 = nn.LayerNorm(hidden_dim, eps=norm_eps, bias=bias, **factory)
+        qkv_out = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv = nn.Linear(hidden_dim, qkv_out, bias=bias, **factory)
         self.proj = nn.Linear(hidden_dim, hidden_dim, bias=bias, **factory)
-        self.ln2 = nn.LayerNorm(hidden_dim, eps=norm_eps, bias=bias, **factory)
-        self.fc1 = nn.Linear(hidden_dim, ffn, bias=bias, **factory)
-        self.fc2 = nn.Linear(ffn, hidden_dim, bias=bias, **factory)
+        if self.gated:
+            self.gate_proj = nn.Linear(hidden_dim, ffn, bias=bias, **factory)
+            self.up_proj = nn.Linear(hidden_dim, ffn, bias=bias, **factory)
+            self.down_proj = nn.Linear(ffn, hidden_dim, bias=bias, **factory)
+        else:
+            self.fc1 = nn.Linear(hidden_dim, ffn, bias=bias, **factory)
+            self.fc2 = nn.Linear(ffn, hidden_dim, bias=bias, **factory)
 
     @property
     def recompute(self):
@@ -172,7 +205,11 @@ class SelectiveDecoderLayer(nn.Module):
         self._recompute = check_mode(mode)
 
     def extra_repr(self):
-        return (f"hidden_dim={self.hidden_dim}, num_heads={self.num_heads}, causal={self.causal}, "
+        llama = ""
+        if self.num_kv_heads != self.num_heads or self.norm != "layernorm" or self.rope_theta or self.sliding_window:
+            llama = (f"num_kv_heads={self.num_kv_heads}, norm={self.norm!r}, rope_theta={self.rope_theta}, "
+                     f"sliding_window={self.sliding_window}, ")
+        return (f"hidden_dim={self.hidden_dim}, num_heads={self.num_heads}, {llama}causal={self.causal}, "
                 f"activation={self.activation!r}, dropout={self.dropout}, attn_dropout={self.attn_dropout}, "
                 f"recompute={self.recompute!r}")
 
@@ -184,30 +221,45 @@ class SelectiveDecoderLayer(nn.Module):
         p_attn, p = self._dropout_rates()
         return _draw(p_attn, device), _draw(p, device), _draw(p, device)
 
-    def forward(self, x, attention_mask=None):
-        """x [B, S, hidden]; attention_mask [B, S] bool (True = attend) or None -> [B, S, hidden]."""
+    def forward(self, x, attention_mask=None, position_ids=None):
+        """x [B, S, hidden]; attention_mask [B, S] bool (True = attend) or None; position_ids [B or 1, S]
+        int (rotary positions, used with rope_theta) or None for 0..S-1 -> [B, S, hidden]."""
         _check_input(x, self.hidden_dim, attention_mask)
+        position_ids = rotary.check_position_ids(position_ids, x)
         seeds = self._draw_seeds(x.device)
         if self.recompute == "full" and self._needs_graph(x):
             # Seeds are arguments, so the re-run in backward regenerates the very same masks.
-            return checkpoint(self._block, x, attention_mask, seeds, False, use_reentrant=False,
+            return checkpoint(self._block, x, attention_mask, seeds, False, position_ids, use_reentrant=False,
                               preserve_rng_state=False)
-        return self._block(x, attention_mask, seeds, self.recompute == "none")
+        return self._block(x, attention_mask, seeds, self.recompute == "none", position_ids)
 
     def _needs_graph(self, x):
         """Whether this forward builds an autograd graph (else checkpointing would only keep x alive)."""
         return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
-    def _block(self, x, attention_mask, seeds, store):
+    def _block(self, x, attention_mask, seeds, store, position_ids=None):
         p_attn, p = self._dropout_rates()
-        qkv = fused.ln_linear(x, self.ln1.weight, self.ln1.bias, self.qkv.weight, self.qkv.bias, self.ln1.eps, store)
-        o = _attend(qkv, self.num_heads, self.causal, p_attn, attention_mask, seeds[0], self.softmax_scale)
+        if self.norm == "rmsnorm":
+            qkv = fused.rms_linear(x, self.ln1.weight, self.qkv.weight, self.qkv.bias, self.ln1.eps, store)
+        else:
+            qkv = fused.ln_linear(x, self.ln1.weight, self.ln1.bias, self.qkv.weight, self.qkv.bias, self.ln1.eps,
+                                  store)
+        if self.rope_theta is not None:
+            qkv = rotary.rope_qkv(qkv, position_ids, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  self.rope_theta)
+        o = _attend(qkv, self.num_heads, self.causal, p_attn, attention_mask, seeds[0], self.softmax_scale,
+                    self.num_kv_heads, self.sliding_window or 0)
         a = F.linear(o, self.proj.weight, self.proj.bias)
         if p > 0:
             a = dropout_op(a, p, seeds[1])
         x1 = x + a
-        m = fused.ln_mlp(x1, self.ln2.weight, self.ln2.bias, self.fc1.weight, self.fc1.bias, self.fc2.weight,
-                        self.fc2.bias, self.ln2.eps, p, self.approximate, seeds[2], store)
+        if self.gated:
+            m = fused.rms_mlp(x1, self.ln2.weight, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
+                              self.up_proj.bias, self.down_proj.weight, self.down_proj.bias, self.ln2.eps, p,
+                              self.approximate, seeds[2], store)
+        else:
+            m = fused.ln_mlp(x1, self.ln2.weight, self.ln2.bias, self.fc1.weight, self.fc1.bias, self.fc2.weight,
+                            self.fc2.bias, self.ln2.eps, p, self.approximate, seeds[2], store)
         return x1 + m
 
 

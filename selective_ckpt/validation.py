@@ -65,3 +65,43 @@ def ffn_dim(hidden_dim, mlp_ratio):
     if ffn < 1:
         raise ValueError(f"mlp_ratio={mlp_ratio} gives an empty MLP for hidden_dim={hidden_dim}")
     return ffn
+
+
+_ffn_from_ratio = ffn_dim  # check_layer_shape's ffn_dim argument shadows the function's name
+
+NORMS = ("layernorm", "rmsnorm")
+# activation -> the MLP it builds: GELU-MLP `approximate` or gated-MLP activation.
+PLAIN_ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_tanh"}
+
+
+def check_layer_shape(hidden_dim, num_heads, mlp_ratio=4.0, *, num_kv_heads=None, ffn_dim=None, norm="layernorm",
+                      activation="gelu", rope_theta=None, sliding_window=None):
+    """(head_dim, num_kv_heads, ffn) of a decoder layer with these settings, or the error naming what does not fit.
+
+    Shared by the layer's constructor and memory.estimate/plan, so estimates exist exactly for
+    layers that can be built. ffn_dim, when given, wins over mlp_ratio.
+    """
+    head_dim = check_heads(hidden_dim, num_heads)
+    if num_kv_heads is None:
+        num_kv_heads = num_heads
+    check_positive_int(num_kv_heads, "num_kv_heads")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}): grouped-query "
+                         "attention shares each k/v head among num_heads / num_kv_heads query heads")
+    ffn = check_positive_int(ffn_dim, "ffn_dim") if ffn_dim is not None else _ffn_from_ratio(hidden_dim, mlp_ratio)
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
+    if activation not in PLAIN_ACTIVATIONS and activation not in GATED_ACTIVATIONS:
+        names = ", ".join(map(repr, (*PLAIN_ACTIVATIONS, *GATED_ACTIVATIONS)))
+        raise ValueError(f"activation must be one of {names}, got {activation!r}")
+    if (norm == "rmsnorm") != (activation in GATED_ACTIVATIONS):
+        raise ValueError(f"norm={norm!r} with activation={activation!r} is not built: 'layernorm' goes with 'gelu' "
+                         "or 'gelu_tanh' (GPT-style), 'rmsnorm' with 'swiglu' or 'geglu' (Llama-style)")
+    if rope_theta is not None:
+        check_positive_float(rope_theta, "rope_theta")
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dim, got hidden_dim / num_heads = {head_dim}")
+    if sliding_window is not None:
+        check_positive_int(sliding_window, "sliding_window")
+    return head_dim, num_kv_heads, ffn

@@ -5,19 +5,29 @@ and the FLOPs each recompute mode spends again in backward.
 import torch
 
 from .. import rng
-from ..validation import check_heads, check_mode, check_positive_int, ffn_dim
+from ..validation import GATED_ACTIVATIONS, check_layer_shape, check_mode, check_positive_int
 from .units import as_dtype
 
 
-def check_shape(hidden_dim, num_heads, mlp_ratio):
-    """The layer's own constructor checks, so estimates exist exactly for layers that can be built."""
-    check_heads(hidden_dim, num_heads)
-    return ffn_dim(hidden_dim, mlp_ratio)
+def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
+    """The layer's own constructor checks, so estimates exist exactly for layers that can be built.
+
+    layer_kwargs: the layer's keyword-only shape arguments (num_kv_heads, ffn_dim, norm, activation,
+    rope_theta, sliding_window). Returns the MLP width.
+    """
+    return check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)[2]
 
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
-             dropout=0.0, attn_dropout=0.0):
+             dropout=0.0, attn_dropout=0.0, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
+
+    layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
+    activation, rope_theta, sliding_window (the last two change no byte). A Llama-style layer
+    (norm="rmsnorm", gated activation) keeps, with D the head dim and Hkv the kv heads:
+      selective: t*(h + (h + 2*Hkv*D) + h + h + 2f)*e  [x, q/k/v, o, x1, gate and up outputs]
+                 + a*t*4 [lse] + 2*t*4 [one rstd per RMSNorm]
+      none:      adds both norm outputs and the product act(gate) * up: t*(2h + f)*e
 
     With e = element size, t = s*b tokens, h hidden, a heads, f = the layer's fc1 width and 4-byte
     fp32 statistics (8 for float64 layers):
@@ -28,7 +38,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     the layer, training): attention probabilities, proj output, MLP output; "full" keeps none.
     `breakdown=True` returns a dict of the parts (bytes) instead of the total.
     """
-    ffn = check_shape(hidden_dim, num_heads, mlp_ratio)
+    head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
+    gated = layer_kwargs.get("activation", "gelu") in GATED_ACTIVATIONS
+    rms = layer_kwargs.get("norm", "layernorm") == "rmsnorm"
     check_positive_int(seq_len, "seq_len")
     check_positive_int(batch, "batch")
     check_mode(recompute)
@@ -40,10 +52,16 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     if recompute == "full":
         parts = {"x": t * h * e}
     else:
-        parts = {"x": t * h * e, "qkv": 3 * t * h * e, "o": t * h * e, "x1": t * h * e, "fc1_out": t * ffn * e,
-                 "lse": num_heads * t * acc, "ln_stats": 2 * 2 * t * acc}
+        parts = {"x": t * h * e, "qkv": t * (h + 2 * kv_heads * head_dim) * e, "o": t * h * e, "x1": t * h * e}
+        if gated:
+            parts.update(gate_out=t * ffn * e, up_out=t * ffn * e)
+        else:
+            parts["fc1_out"] = t * ffn * e
+        parts["lse"] = num_heads * t * acc
+        parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * 2 * t * acc
         if recompute == "none":
-            parts.update(ln1_out=t * h * e, ln2_out=t * h * e, gelu_out=t * ffn * e)
+            parts.update(ln1_out=t * h * e, ln2_out=t * h * e)
+            parts["product" if gated else "gelu_out"] = t * ffn * e
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
         sites = (attn_dropout > 0) + 2 * (dropout > 0)
@@ -59,30 +77,37 @@ GELU_FLOPS = 8
 SOFTMAX_FLOPS = 5  # max, subtract, exp, sum, divide
 
 
-def forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, causal=True):
-    """FLOPs of one layer forward: the four matmuls, attention (QK^T and PV, halved when causal),
-    LayerNorms, softmax, GELU and the two residual adds."""
-    ffn = check_shape(hidden_dim, num_heads, mlp_ratio)
+def forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, causal=True, **layer_kwargs):
+    """FLOPs of one layer forward: the matmuls (qkv, proj, the MLP's two or three), attention (QK^T and
+    PV, halved when causal, limited to the window if any), norms, softmax, activation and the two
+    residual adds."""
+    head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
+    mlp_mats = 3 if layer_kwargs.get("activation", "gelu") in GATED_ACTIVATIONS else 2
     t, h, s = seq_len * batch, hidden_dim, seq_len
     c = 0.5 if causal else 1.0
-    matmul = 2 * t * h * (3 * h + h + 2 * ffn)
+    window = layer_kwargs.get("sliding_window")
+    if window is not None and window < s:
+        c = window / s  # each query attends at most `window` keys
+    matmul = 2 * t * h * ((h + 2 * kv_heads * head_dim) + h + mlp_mats * ffn)
     attention = 2 * 2 * t * s * h * c + SOFTMAX_FLOPS * num_heads * t * s * c
     return int(matmul + attention + 2 * LN_FWD_FLOPS * t * h + GELU_FLOPS * t * ffn + 2 * t * h)
 
 
-def recompute_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, recompute="selective", causal=True):
+def recompute_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, recompute="selective", causal=True,
+                    **layer_kwargs):
     """Extra FLOPs a mode spends in backward, over "none".
 
     none = 0. selective = re-deriving the two LayerNorm outputs from the saved input and statistics
     and the GELU output from the fc1 output (attention's softmax is rebuilt from logsumexp in every
     mode, since the fused attention never stores it, so it is no extra cost of "selective"). full =
-    one more forward of the layer (`forward_flops`).
+    one more forward of the layer (`forward_flops`). A gated MLP's product act(gate) * up is
+    rebuilt instead of the GELU output, at the same coarse cost per element.
     """
-    ffn = check_shape(hidden_dim, num_heads, mlp_ratio)
+    ffn = check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
     check_mode(recompute)
     t = seq_len * batch
     if recompute == "none":
         return 0
     if recompute == "selective":
         return 2 * LN_OUT_FLOPS * t * hidden_dim + GELU_FLOPS * t * ffn
-    return forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio, causal)
+    return forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio, causal, **layer_kwargs)

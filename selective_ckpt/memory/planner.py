@@ -20,6 +20,16 @@ class LayerShape:
     mlp_ratio: float = 4
     dtype: torch.dtype = torch.float32
     causal: bool = True
+    # The layer's keyword-only shape arguments (Llama-style layers); None / defaults = GPT-style.
+    num_kv_heads: int = None
+    ffn_dim: int = None
+    norm: str = "layernorm"
+    activation: str = "gelu"
+    sliding_window: int = None
+
+    def layer_kwargs(self):
+        return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,
+                "activation": self.activation, "sliding_window": self.sliding_window}
 
 
 class Plan(list):
@@ -48,16 +58,21 @@ class Plan(list):
 
 
 def _layer_shape(layer):
-    """LayerShape of a SelectiveDecoderLayer from its submodules (ln1, qkv/fc1, parameters)."""
+    """LayerShape of a SelectiveDecoderLayer from its attributes and submodules (ln1, fc1, parameters)."""
     hidden = layer.ln1.normalized_shape[0]
     heads = getattr(layer, "num_heads", None)
     if heads is None:
         heads = getattr(getattr(layer, "attn", None), "num_heads", None)
     if heads is None:
         raise ValueError(f"cannot read num_heads from {type(layer).__name__}")
-    ffn = layer.fc1.out_features if hasattr(layer, "fc1") else layer.mlp.fc1.out_features
+    ffn = getattr(layer, "ffn_dim", None)
+    if ffn is None:
+        ffn = layer.fc1.out_features if hasattr(layer, "fc1") else layer.mlp.fc1.out_features
     dtype = next(layer.parameters()).dtype
-    return LayerShape(hidden, int(heads), ffn / hidden, dtype, bool(getattr(layer, "causal", True)))
+    return LayerShape(hidden, int(heads), ffn / hidden, dtype, bool(getattr(layer, "causal", True)),
+                      num_kv_heads=getattr(layer, "num_kv_heads", None), ffn_dim=ffn,
+                      norm=getattr(layer, "norm", "layernorm"), activation=getattr(layer, "activation", "gelu"),
+                      sliding_window=getattr(layer, "sliding_window", None))
 
 
 def _layers_of(model_or_shape, num_layers):
@@ -79,7 +94,7 @@ def _layers_of(model_or_shape, num_layers):
             shape = LayerShape(**d)
         except TypeError as err:
             raise ValueError(f"model_or_shape dict: {err}; keys are hidden_dim, num_heads, mlp_ratio, dtype, "
-                             "causal, num_layers") from None
+                             "causal, num_kv_heads, ffn_dim, norm, activation, sliding_window, num_layers") from None
     else:
         raise TypeError("model_or_shape must be a model holding SelectiveDecoderLayers, a LayerShape or a dict "
                         f"with hidden_dim, num_heads, num_layers (...), got {type(model_or_shape).__name__}")
@@ -87,15 +102,17 @@ def _layers_of(model_or_shape, num_layers):
         raise ValueError("num_layers is required when model_or_shape is a shape")
     check_positive_int(num_layers, "num_layers")
     shape = dataclasses.replace(shape, dtype=as_dtype(shape.dtype))
-    check_shape(shape.hidden_dim, shape.num_heads, shape.mlp_ratio)
+    check_shape(shape.hidden_dim, shape.num_heads, shape.mlp_ratio, **shape.layer_kwargs())
     return [shape] * num_layers
 
 
 def _layer_figures(shape, batch, seq_len):
     """{mode: (kept bytes, re-run working set, cost)} for one layer."""
-    est = functools.partial(estimate, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.dtype, shape.mlp_ratio)
+    kw = shape.layer_kwargs()
+    est = functools.partial(estimate, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.dtype, shape.mlp_ratio,
+                            **kw)
     cost = functools.partial(recompute_flops, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.mlp_ratio,
-                             causal=shape.causal)
+                             causal=shape.causal, **kw)
     rerun = est("selective") - est("full")  # a full layer's re-run keeps its selective set again, once
     return {m: (est(m), rerun if m == "full" else 0, cost(m)) for m in MODES}
 
@@ -105,7 +122,8 @@ def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes
 
     model_or_shape: a model holding SelectiveDecoderLayers (their shapes and dtype are read from
     it), or a LayerShape / dict(hidden_dim, num_heads, mlp_ratio=4, dtype=float32, causal=True,
-    num_layers) for a model not built yet.
+    num_layers, and for Llama-style layers num_kv_heads, ffn_dim, norm, activation, sliding_window)
+    for a model not built yet.
 
     Memory model: the activations kept for backward (`estimate` per layer and mode, summed over
     layers), plus, when any layer is "full", the largest such layer's re-run working set: its

@@ -108,3 +108,60 @@ def test_ledger_per_layer_in_a_stack():
     rep = memory.ledger(stack, x)
     assert list(rep.by_layer.values()) == [memory.estimate(h, a, s, b, torch.float32, recompute=m)
                                            for m in ("none", "selective", "full")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama-style layers (RMSNorm, gated MLP, RoPE; kv heads = heads until grouped-query kernels run)
+
+LLAMA_CASES = [  # (batch, seq, hidden, heads, layer kwargs)
+    (1, 5, 32, 2, dict(activation="swiglu", rope_theta=1e4)),
+    (2, 17, 48, 3, dict(activation="geglu", ffn_dim=77, bias=True)),
+    (3, 9, 64, 4, dict(activation="swiglu", mlp_ratio=3.5, rope_theta=5e5, sliding_window=None)),
+]
+
+
+def _llama_layer(layers, h, a, mode, dtype, kw, **extra):
+    kw = dict(kw)
+    ratio = kw.pop("mlp_ratio", 4.0)
+    bias = kw.pop("bias", False)
+    return layers.SelectiveDecoderLayer(h, a, mlp_ratio=ratio, recompute=mode, dtype=dtype, norm="rmsnorm",
+                                        bias=bias, **kw, **extra), ratio, kw
+
+
+@pytest.mark.parametrize("mode", memory.MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_estimate_equals_ledger_on_llama_layers(mode, dtype):
+    layers = pytest.importorskip("selective_ckpt.layers")
+    torch.manual_seed(0)
+    for b, s, h, a, kw in LLAMA_CASES:
+        layer, ratio, shape_kw = _llama_layer(layers, h, a, mode, dtype, kw)
+        rep = memory.ledger(layer, torch.randn(b, s, h, dtype=dtype, requires_grad=True))
+        est = memory.estimate(h, a, s, b, dtype, mlp_ratio=ratio, recompute=mode, norm="rmsnorm", **shape_kw)
+        assert rep.total == est, rep.table()
+
+
+@pytest.mark.parametrize("mode", memory.MODES)
+def test_estimate_equals_ledger_on_llama_layers_with_dropout(mode):
+    layers = pytest.importorskip("selective_ckpt.layers")
+    b, s, h, a, kw = LLAMA_CASES[0]
+    layer, ratio, shape_kw = _llama_layer(layers, h, a, mode, torch.float32, kw, dropout=0.1, attn_dropout=0.2)
+    rep = memory.ledger(layer, torch.randn(b, s, h, requires_grad=True))
+    assert rep.total == memory.estimate(h, a, s, b, torch.float32, mlp_ratio=ratio, recompute=mode, dropout=0.1,
+                                        attn_dropout=0.2, norm="rmsnorm", **shape_kw), rep.table()
+
+
+def test_estimate_llama_formulas():
+    # Llama-3-8B: h 4096, H 32, Hkv 8, ffn 14336 (3.5h), bf16: 11.5h per token + lse + two rstd.
+    h, a, s = 4096, 32, 2048
+    kw = dict(num_kv_heads=8, ffn_dim=14336, norm="rmsnorm", activation="swiglu", rope_theta=5e5)
+    parts = memory.estimate(h, a, s, 1, torch.bfloat16, breakdown=True, **kw)
+    assert parts["qkv"] == s * (h + 2 * 8 * 128) * 2 and parts["norm_stats"] == 2 * s * 4
+    assert sum(parts.values()) - (a * s * 4 + 2 * s * 4) == int(11.5 * s * h) * 2
+    none = memory.estimate(h, a, s, 1, torch.bfloat16, recompute="none", **kw)
+    assert none - sum(parts.values()) == s * (2 * h + 14336) * 2  # both norm outputs and the product
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        memory.estimate(h, a, s, 1, torch.bfloat16, num_kv_heads=5, norm="rmsnorm", activation="swiglu")
+    with pytest.raises(ValueError, match="norm='layernorm' with activation='swiglu'"):
+        memory.estimate(h, a, s, 1, torch.bfloat16, activation="swiglu")
+    # GQA's smaller qkv: fewer FLOPs than the same MLP FLOPs (3 * 3.5h = 2 * 5.25h) with full heads
+    assert memory.forward_flops(h, a, s, 1, **kw) < memory.forward_flops(h, a, s, 1, mlp_ratio=5.25)

@@ -114,3 +114,20 @@ def test_plan_on_a_model_and_set_recompute():
     selective_ckpt.set_recompute(model, p)
     x = torch.randn(b, s, h, requires_grad=True)
     assert memory.ledger(model, x).total == p.kept_bytes
+
+
+def test_plan_reads_llama_layers_and_matches_a_shape_dict():
+    layers = pytest.importorskip("selective_ckpt.layers")
+    h, a, n, s, b = 32, 2, 3, 16, 2
+    kw = dict(norm="rmsnorm", activation="swiglu", ffn_dim=88, rope_theta=1e4)
+    model = nn.Sequential(*(layers.SelectiveDecoderLayer(h, a, bias=False, **kw) for _ in range(n)))
+    per_layer = memory.estimate(h, a, s, b, torch.float32, **kw)
+    full = memory.estimate(h, a, s, b, torch.float32, recompute="full", **kw)
+    budget = 2 * full + per_layer + (per_layer - full)  # two full layers and one selective, with a re-run
+    got = memory.plan(model, b, s, budget)
+    assert sorted(got) == ["full", "full", "selective"]
+    shape = dict(hidden_dim=h, num_heads=a, num_layers=n, norm="rmsnorm", activation="swiglu", ffn_dim=88)
+    assert list(memory.plan(shape, b, s, budget)) == list(got)
+    selective_ckpt_set = pytest.importorskip("selective_ckpt").set_recompute
+    selective_ckpt_set(model, got)
+    assert memory.ledger(model, torch.randn(b, s, h, requires_grad=True)).total == got.kept_bytes

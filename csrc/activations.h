@@ -1,0 +1,83 @@
+// Activation math shared by the GELU-MLP (gelu.cpp) and the gated MLP (swiglu.cpp) kernels:
+// tanh-GELU and SiLU in float (branch-free, vectorisable through fast_expf) and in double (libm).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "fastmath.h"
+
+// Loops that use these are compiled for AVX-512, AVX2 and baseline x86-64 and picked at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SCKPT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SCKPT_CLONES
+#endif
+
+namespace sckpt {
+
+constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2 / pi)
+constexpr double kTanhCubic = 0.044715;
+
+// s = sigmoid(2u) = (1 + tanh(u)) / 2 of the tanh form, u = sqrt(2/pi) (x + 0.044715 x^3);
+// *e = exp(-2u), so that 1 - s = e * s without cancellation.
+inline float tanh_gate_f(float x, float* e) {
+  const float u = float(kSqrt2OverPi) * (x + float(kTanhCubic) * x * x * x);
+  *e = fast_expf(-2.0f * u);
+  return 1.0f / (1.0f + *e);
+}
+
+// tanh-GELU x * s and its derivative s + x * 2 s (1 - s) u'.
+inline float gelu_tanh_f(float x) {
+  float e;
+  return x * tanh_gate_f(x, &e);
+}
+
+inline float gelu_tanh_grad_f(float x) {
+  float e;
+  const float s = tanh_gate_f(x, &e);
+  const float du = float(kSqrt2OverPi) * (1.0f + float(3 * kTanhCubic) * x * x);
+  return s + x * 2.0f * s * (e * s) * du;
+}
+
+inline double gelu_tanh_d(double x) {
+  return 0.5 * x * (1.0 + std::tanh(kSqrt2OverPi * (x + kTanhCubic * x * x * x)));
+}
+
+inline double gelu_tanh_grad_d(double x) {
+  const double t = std::tanh(kSqrt2OverPi * (x + kTanhCubic * x * x * x));
+  const double du = kSqrt2OverPi * (1.0 + 3 * kTanhCubic * x * x);
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du;
+}
+
+// sigmoid(x) = 1 / (1 + exp(-x)). exp(-x) overflows float below x = -88.72 and eager's sigmoid is
+// exactly 0 there (so SiLU and its gradient are exactly 0); fast_expf clamps instead, so those
+// lanes are cleared on the bit patterns (no float compare: the loops stay vectorised).
+inline float sigmoid_f(float x) {
+  const float s = 1.0f / (1.0f + fast_expf(-x));
+  int32_t xb, sb;
+  std::memcpy(&xb, &x, 4);
+  std::memcpy(&sb, &s, 4);
+  const int32_t under = -int32_t((xb < 0) & ((xb & 0x7fffffff) > 0x42B17218));  // x < -88.7228
+  sb &= ~under;
+  float out;
+  std::memcpy(&out, &sb, 4);
+  return out;
+}
+
+// SiLU x * sigmoid(x) and its derivative s (1 + x (1 - s)), the form eager autograd uses.
+inline float silu_f(float x) { return x * sigmoid_f(x); }
+
+inline float silu_grad_f(float x) {
+  const float s = sigmoid_f(x);
+  return s * (1.0f + x * (1.0f - s));
+}
+
+inline double silu_d(double x) { return x / (1.0 + std::exp(-x)); }
+
+inline double silu_grad_d(double x) {
+  const double s = 1.0 / (1.0 + std::exp(-x));  // exp overflows to inf: s = 0 exactly
+  return s * (1.0 + x * (1.0 - s));
+}
+
+}  // namespace sckpt

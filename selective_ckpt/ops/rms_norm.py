@@ -1,0 +1,117 @@
+"""RMSNorm over the last dim with its rstd kept for backward, never the output.
+
+`rms_norm_fwd` returns (y, rstd) with rstd in float32 (float64 for float64 inputs);
+`rms_norm_apply` rebuilds y from (x, rstd) bit-identically, which is what lets the fused
+norm -> Linear and norm -> gated MLP pieces (selective_ckpt/fused.py) drop the output after forward.
+
+Rounding order follows the two Hugging Face forms (docs/DESIGN.md, "RMSNorm"): offset 0 (Llama,
+Mistral, Qwen) is `w * (x * rstd).to(dtype)`; offset 1 (Gemma) is `(x * rstd * (1 + w)).to(dtype)`.
+"""
+
+import torch
+
+from .. import backend
+from ..validation import check_floating
+from .layer_norm import stat_dtype
+
+
+def _rows(x):
+    n = x.shape[-1]
+    return (x.numel() // n if n else 0), n
+
+
+@torch.library.custom_op("selective_ckpt::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    x, weight = x.contiguous(), weight.contiguous()
+    rows, n = _rows(x)
+    y = torch.empty_like(x)
+    rstd = torch.empty(x.shape[:-1], dtype=stat_dtype(x.dtype), device=x.device)
+    if rows:
+        backend.call("rms_norm", "forward", x, weight, y, rstd, rows, n, eps, offset)
+    return y, rstd
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps, offset):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(x.shape[:-1], dtype=stat_dtype(x.dtype)))
+
+
+@torch.library.custom_op("selective_ckpt::rms_norm_apply", mutates_args=())
+def rms_norm_apply(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float) -> torch.Tensor:
+    x, weight, rstd = x.contiguous(), weight.contiguous(), rstd.contiguous()
+    rows, n = _rows(x)
+    y = torch.empty_like(x)
+    if rows:
+        backend.call("rms_norm", "apply", x, weight, y, rstd, rows, n, offset)
+    return y
+
+
+@rms_norm_apply.register_fake
+def _(x, weight, rstd, offset):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("selective_ckpt::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, offset: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) of y = RMSNorm(x) * (offset + weight)."""
+    dy, x, rstd, weight = dy.contiguous(), x.contiguous(), rstd.contiguous(), weight.contiguous()
+    rows, n = _rows(x)
+    dx = torch.empty_like(x)
+    if not rows:
+        return dx, torch.zeros_like(weight)
+    dw = torch.empty_like(weight)
+    backend.call("rms_norm", "backward", dy, x, rstd, weight, dx, dw, rows, n, offset)
+    return dx, dw
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, rstd, weight, offset):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, ctx.offset = inputs
+    _, rstd = output
+    ctx.save_for_backward(x, weight, rstd)
+
+
+def _backward(ctx, gy, grstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_bwd(gy.contiguous(), x, rstd, weight, ctx.offset)
+    return dx, dw, None, None
+
+
+rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_rms_norm_args(x, weight, eps, offset):
+    check_floating(x, "x")
+    check_floating(weight, "weight")
+    n = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or n == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {list(x.shape)}")
+    if weight.shape != (n,):
+        raise ValueError(f"weight must have shape [{n}] (x's last dim), got {list(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, expected x's device {x.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+        raise TypeError(f"offset must be a float (0.0 for Llama's w * x_hat, 1.0 for Gemma's (1 + w) * x_hat), "
+                        f"got {type(offset).__name__}")
+
+
+def rms_norm(x, weight, eps=1e-6, *, offset=0.0):
+    """RMSNorm over x's last dim with a fused kernel: x * rsqrt(mean(x^2) + eps) scaled by (offset + weight).
+
+    Statistics in float32 (float64 for float64 x); weight is cast to x's dtype. offset=0.0 is the
+    Llama form (normalised row rounded to x's dtype, then times weight), offset=1.0 the Gemma form
+    (times 1 + weight in float32, rounded once). Works over any last dim, e.g. a per-head norm over
+    head_dim. Autograd keeps x and rstd (float32 per row), not the output.
+    """
+    check_rms_norm_args(x, weight, eps, offset)
+    y, _ = rms_norm_fwd(x, weight.to(x.dtype), float(eps), float(offset))
+    return y
