@@ -14,6 +14,8 @@ from .. import recompute, rng
 from ..ops.dropout import dropout_op
 from ..ops.gelu import gelu_backward_op, gelu_op
 from ..ops.layer_norm import layer_norm_apply, layer_norm_fwd
+from ..ops.rms_norm import rms_norm_apply, rms_norm_fwd
+from ..ops.swiglu import gated_product, gated_product_op
 
 PATCHED = "_selective_ckpt_forward"  # attribute marking a patched module (holds the original forward)
 
@@ -34,46 +36,17 @@ def layer_norm_forward(self, x):
     return recompute.discardable(y, layer_norm_apply, x, w, b, mean, rstd)
 
 
-# --- RMSNorm (Llama, Mistral, Qwen2, Qwen3 incl. q/k norms): Hugging Face's formula, keeping x and rstd.
-
-def _rms_apply(x, weight, rstd):
-    """weight * (x32 * rstd).to(x.dtype), as LlamaRMSNorm computes it (the same bits)."""
-    return weight * (x.to(torch.float32) * rstd).to(x.dtype)
-
-
-class _RMSNorm(torch.autograd.Function):
-    """y = weight * (x32 * rstd).to(x.dtype) with rstd computed outside; backward keeps x and rstd."""
-
-    @staticmethod
-    def forward(ctx, x, weight, rstd):
-        ctx.save_for_backward(x, weight, rstd)
-        return _rms_apply(x, weight, rstd)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dweight = dx = None
-        if ctx.needs_input_grad[1]:
-            n = (x.to(torch.float32) * rstd).to(x.dtype)
-            dweight = (dy * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
-        if ctx.needs_input_grad[0]:
-            dn = (dy * weight).to(torch.float32)
-            x32 = x.to(torch.float32)
-            dx = (rstd * (dn - x32 * (rstd * rstd) * (dn * x32).mean(-1, keepdim=True))).to(x.dtype)
-        return dx, dweight, None
-
-
-def rms_norm(x, weight, eps):
-    """Hugging Face's RMSNorm output; keeps x and the fp32 rstd, the output goes to recompute."""
-    with torch.no_grad():
-        rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
-    y = _RMSNorm.apply(x, weight, rstd)
-    return recompute.discardable(y, _rms_apply, x, weight, rstd)
-
+# --- RMSNorm (Llama, Mistral, Qwen2, Qwen3 incl. q/k norms): the fused kernel in Hugging Face's rounding
+# order, weight * (x32 * rstd).to(x.dtype); keeps x and the fp32 rstd, the output is rebuilt from them.
 
 def rms_norm_forward(self, x):
+    if self.weight.dtype != x.dtype:
+        # transformers then returns weight's promoted dtype, which the kernel (weight in x's dtype)
+        # would not reproduce: compute as transformers does, keeping what it keeps.
+        return getattr(self, PATCHED)(x)
     eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
-    return rms_norm(x, self.weight, float(eps))
+    y, rstd = rms_norm_fwd(x, self.weight, float(eps), 0.0)
+    return recompute.discardable(y, rms_norm_apply, x, self.weight, rstd, 0.0)
 
 
 # --- Activations: GELU (GPT-2) through the kernels, keeping its input.
@@ -98,34 +71,13 @@ def gelu(h, approximate):
     return recompute.discardable(a, gelu_op, h.contiguous(), approximate)
 
 
-# --- SwiGLU (Llama family): act(gate) * up, keeping gate and up.
-
-class _GatedProduct(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, act):
-        ctx.act = act
-        ctx.save_for_backward(gate, up)
-        return act(gate) * up
-
-    @staticmethod
-    def backward(ctx, dh):
-        gate, up = ctx.saved_tensors
-        with torch.enable_grad():
-            g = gate.detach().requires_grad_(True)
-            a = ctx.act(g)
-            dgate = torch.autograd.grad(a, g, dh * up)[0] if ctx.needs_input_grad[0] else None
-        dup = dh * a.detach() if ctx.needs_input_grad[1] else None
-        return dgate, dup, None
-
-
-def gated_product(gate, up, act):
-    h = _GatedProduct.apply(gate, up, act)
-    return recompute.discardable(h, lambda g, u: act(g) * u, gate, up)
-
+# --- SwiGLU (Llama family): silu(gate) * up by the fused kernel, keeping gate and up.
 
 def swiglu_mlp_forward(self, x):
-    """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(act(gate(x)) * up(x)), projections as modules."""
-    return self.down_proj(gated_product(self.gate_proj(x), self.up_proj(x), self.act_fn))
+    """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(silu(gate(x)) * up(x)), projections as modules."""
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    h = gated_product(gate, up, "silu")
+    return self.down_proj(recompute.discardable(h, gated_product_op, gate, up, "silu"))
 
 
 # --- Dropout by seed: 8 bytes kept instead of a mask.

@@ -11,12 +11,12 @@ from tests.reference import assert_within_rule
 VOCAB = 97
 
 
-def triple(build):
-    """(float64 reference, float32 unconverted on SDPA, float32 converted) with the same weights."""
+def triple(build, dtype=torch.float32):
+    """(float64 reference, unconverted on SDPA, converted; both in `dtype`) with the same weights."""
     torch.manual_seed(0)
     ref = build().double().train()
     ref.config._attn_implementation = "sdpa"  # float64 (SDPA math path; HF eager masks give NaN in float64)
-    plain = copy.deepcopy(ref).float()
+    plain = copy.deepcopy(ref).to(dtype)
     plain.config._attn_implementation = "sdpa"
     ours = convert(copy.deepcopy(plain))
     return ref, plain, ours

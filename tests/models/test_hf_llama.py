@@ -28,6 +28,29 @@ def test_rule_state_save_load_generate(tmp_path):
     hf_checks.check_family_basics(build(), tmp_path, LlamaForCausalLM)
 
 
+def test_bfloat16_rounds_as_transformers():
+    """In bf16 the kernels' rounding (RMSNorm: w * (x32 * rstd).to(bf16)) meets the rule vs unconverted."""
+    ref, plain, ours = triple(build(), torch.bfloat16)
+    ids, mask = batch()
+    assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+
+
+def test_rms_norm_with_weight_in_another_dtype_computes_as_transformers():
+    """bf16 input, fp32 weight: transformers promotes to fp32; the patched norm gives the same bits."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from selective_ckpt.models.patches import patch_forward, rms_norm_forward
+
+    norm = LlamaRMSNorm(24)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 24, dtype=torch.bfloat16)
+    expected = norm(x)
+    patch_forward(norm, rms_norm_forward)
+    got = norm(x)
+    assert got.dtype == expected.dtype == torch.float32
+    assert torch.equal(got, expected)
+
+
 def test_lora_both_orders():
     hf_checks.check_lora_both_orders(build())
 
