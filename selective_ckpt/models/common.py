@@ -1,5 +1,6 @@
 """What every model integration shares: the refusal type, parameter copying, per-layer recompute modes."""
 
+import contextlib
 import functools
 
 import torch
@@ -59,16 +60,51 @@ class LayerRecompute:
             self._mode = mode
 
 
+@contextlib.contextmanager
+def _attention_reads_own_kv(caches):
+    """While active, a cache update that holds nothing but this call's k, v hands back k, v themselves.
+
+    A training forward with use_cache=True (transformers' default) fills a kv cache; its update
+    returns concatenated copies, and attention would save those for backward on top of the
+    layer's own k, v (GPT-2's are views of c_attn's output, which q keeps alive anyway: 2h
+    elements per token more). When the result has the input's shape the cache held nothing
+    before, so the copies equal k, v bit for bit: attention gets the originals, the cache keeps
+    its copies, and what a layer keeps is the floor again.
+    """
+    patched = []
+    for cache in caches:
+        update = cache.update
+
+        def own(key_states, value_states, *a, _update=update, **kw):
+            k, v = _update(key_states, value_states, *a, **kw)
+            if k.shape == key_states.shape and v.shape == value_states.shape:
+                return key_states, value_states
+            return k, v
+
+        cache.update = own
+        patched.append(cache)
+    try:
+        yield
+    finally:
+        for cache in patched:
+            del cache.update  # the instance attribute; the class's method shows again
+
+
 def _decoder_layer_forward(self, *args, **kwargs):
     mode = getattr(self, STATE).recompute
-    if mode == "full" and self.training and torch.is_grad_enabled():
+    grad = torch.is_grad_enabled()
+    caches = []
+    if grad:
+        from transformers.cache_utils import Cache
+        caches = [c for c in (*args, *kwargs.values()) if isinstance(c, Cache) and "update" not in vars(c)]
+    if mode == "full" and self.training and grad:
         # The checkpointed re-run would append to a kv cache twice (transformers drops only a
         # keyword `cache`; GPT-2 passes it by position): a checkpointed layer fills none.
-        from transformers.cache_utils import Cache
         args = tuple(None if isinstance(a, Cache) else a for a in args)
         kwargs = {k: (None if isinstance(v, Cache) else v) for k, v in kwargs.items()}
         kwargs["use_cache"] = False
-    with recompute.scope(mode == "selective"):
+        caches = []
+    with recompute.scope(mode == "selective"), _attention_reads_own_kv(caches):
         return getattr(self, PATCHED)(*args, **kwargs)
 
 

@@ -1,6 +1,7 @@
 """Checks every Hugging Face family test runs: the converted model against float64, unconverted in its dtype."""
 
 import copy
+import gc
 
 import torch
 
@@ -66,7 +67,13 @@ def kept_bytes_per_layer(build_layers, inputs):
     for n in (1, 2):
         model = build_layers(n)
         held = []
-        deltas = cpu_allocation_deltas(lambda m=model, h=held: h.append(m(**inputs).logits))
+        # garbage of earlier tests collected inside the window would count as negative deltas
+        gc.collect()
+        gc.disable()
+        try:
+            deltas = cpu_allocation_deltas(lambda m=model, h=held: h.append(m(**inputs).logits))
+        finally:
+            gc.enable()
         net.append(sum(deltas))
         del held
     return net[1] - net[0]

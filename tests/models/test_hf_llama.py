@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from selective_ckpt import ConversionError, convert, set_recompute
+from selective_ckpt import ConversionError, convert
 from tests.models import hf_checks
 from tests.models.hf_checks import VOCAB, assert_matches_reference, batch, kept_bytes_per_layer, triple
 
@@ -111,22 +111,25 @@ def test_bad_masks_are_refused():
         ours(input_ids=ids, attention_mask=full)
 
 
-def test_layer_keeps_the_floor():
-    """One converted layer keeps x, q, k, v (Hkv heads), o, x1, gate, up + fp32 rstd x2 and lse: the floor."""
+@pytest.mark.parametrize("dropout", [0.0, 0.17])
+def test_layer_keeps_the_floor(dropout):
+    """Train mode, use_cache left on: one converted layer keeps x, q, k, v (Hkv heads), o, x1, gate, up, fp32 rstd
+    x2 and lse (the floor), plus the attention dropout's 8-byte seed; "none" keeps the norm and product outputs."""
     ids, _ = batch(b=2, s=24, pad_rows=False)
     cfg = config()
 
-    def layers(n, converted):
+    def layers(n, converted, mode="selective"):
         torch.manual_seed(0)
-        m = LlamaForCausalLM(config(num_hidden_layers=n))
+        m = LlamaForCausalLM(config(num_hidden_layers=n, attention_dropout=dropout)).train()
         m.config._attn_implementation = "sdpa"
-        return convert(m) if converted else m
+        return convert(m, recompute=mode) if converted else m
 
     ours = kept_bytes_per_layer(lambda n: layers(n, True), {"input_ids": ids})
+    kept_all = kept_bytes_per_layer(lambda n: layers(n, True, "none"), {"input_ids": ids})
     sdpa = kept_bytes_per_layer(lambda n: layers(n, False), {"input_ids": ids})
-    h, hd = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
-    per_token = 4 * (h + h + 2 * cfg.num_key_value_heads * hd + h + h + 2 * cfg.intermediate_size) + 4 * 2 + 4 * 4
-    assert ours == ids.numel() * per_token
-    assert sdpa > ours
-    set_recompute(ours_model := layers(2, True), "none")
-    assert ours_model is not None
+    h, hd, ffn = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads, cfg.intermediate_size
+    per_token = 4 * (h + h + 2 * cfg.num_key_value_heads * hd + h + h + 2 * ffn) + 4 * 2 + 4 * 4
+    seeds = 8 if dropout else 0
+    assert ours == ids.numel() * per_token + seeds
+    assert kept_all == ours + ids.numel() * 4 * (2 * h + ffn)  # both norm outputs and silu(gate) * up
+    assert sdpa > kept_all
