@@ -43,7 +43,7 @@ def convert(model, recompute="selective"):
             raise ConversionError(f"{type(root).__name__}: model type {model_type!r} is not supported; supported: "
                                   f"{_supported()}")
         layers, patches = family.plan(root, model_type)
-        hf.apply(root, layers, patches, recompute)
+        hf.apply(root, layers, patches, recompute, family.layer_shape)
         return model
     return _convert_eager(model, recompute)
 

@@ -38,9 +38,16 @@ class LayerRecompute:
     (so `model.gradient_checkpointing_enable()` reads as "full" on every layer).
     """
 
-    def __init__(self, layer, mode):
+    def __init__(self, layer, mode, shape_of=None):
         self.layer = layer
         self.recompute = mode
+        self._shape_of = shape_of
+
+    def shape(self):
+        """The layer's LayerShape fields (memory.planner), its parameters' dtype included."""
+        if self._shape_of is None:
+            raise ValueError(f"{type(self.layer).__name__}: the shape of this converted layer is not known")
+        return {**self._shape_of(self.layer), "dtype": next(self.layer.parameters()).dtype}
 
     @property
     def recompute(self):
@@ -108,9 +115,9 @@ def _decoder_layer_forward(self, *args, **kwargs):
         return getattr(self, PATCHED)(*args, **kwargs)
 
 
-def convert_decoder_layer(layer, mode):
+def convert_decoder_layer(layer, mode, shape_of=None):
     """Wraps the layer's forward in a recompute scope chosen by its mode; modules and parameters stay."""
     if not hasattr(type(layer), "gradient_checkpointing"):
         raise ConversionError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer")
-    setattr(layer, STATE, LayerRecompute(layer, mode))
+    setattr(layer, STATE, LayerRecompute(layer, mode, shape_of))
     patch_forward(layer, _decoder_layer_forward)

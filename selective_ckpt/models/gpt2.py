@@ -16,6 +16,15 @@ MODEL_TYPES = ("gpt2",)
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}  # -> GELU approximation
 
 
+def layer_shape(layer, config):
+    """LayerShape fields (memory.planner) of a GPT2Block."""
+    h = config.hidden_size
+    ffn = config.n_inner if config.n_inner is not None else 4 * h
+    act = "gelu_tanh" if ACTIVATIONS[config.activation_function] == "tanh" else "gelu"
+    return dict(hidden_dim=h, num_heads=config.num_attention_heads, mlp_ratio=ffn / h, ffn_dim=ffn,
+                norm="layernorm", activation=act)
+
+
 def plan(root, model_type):
     config = root.config
     name = f"{type(root).__name__} (model type {model_type!r})"

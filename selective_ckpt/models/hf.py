@@ -6,6 +6,8 @@ ConversionError. `apply` then registers the attention function, points the confi
 the forwards and wraps each decoder layer in its recompute scope. A failed check changes nothing.
 """
 
+import functools
+
 from . import attention
 from .common import ConversionError, convert_decoder_layer
 from .patches import patch_forward, rms_norm_forward, swiglu_mlp_forward
@@ -58,13 +60,29 @@ def plan_swiglu(root, model_type, prefix, attention_children=("q_proj", "k_proj"
     return [m for _, m in layers], patches
 
 
-def apply(root, layers, patches, mode):
+def swiglu_layer_shape(layer, config):
+    """LayerShape fields (memory.planner) of a Llama-shaped decoder layer, from the model's config."""
+    attn = layer.self_attn
+    heads = config.num_attention_heads
+    head_dim = getattr(attn, "head_dim", config.hidden_size // heads)
+    if head_dim * heads != config.hidden_size:
+        raise ValueError(f"{type(layer).__name__}: head_dim {head_dim} x {heads} heads != hidden_size "
+                         f"{config.hidden_size}; memory estimates cover layers with head_dim = hidden / heads only")
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return dict(hidden_dim=config.hidden_size, num_heads=heads, num_kv_heads=kv, ffn_dim=config.intermediate_size,
+                mlp_ratio=config.intermediate_size / config.hidden_size, norm="rmsnorm", activation="swiglu",
+                sliding_window=getattr(attn, "sliding_window", None) or None)
+
+
+def apply(root, layers, patches, mode, layer_shape):
+    """Registers attention, patches the forwards and gives each decoder layer its recompute mode and
+    `layer_shape(layer, config)` (its LayerShape fields for the memory planner)."""
     attention.register()
     root.config._attn_implementation = attention.NAME
     for module, forward in patches:
         patch_forward(module, forward)
     for layer in layers:
-        convert_decoder_layer(layer, mode)
+        convert_decoder_layer(layer, mode, functools.partial(layer_shape, config=root.config))
 
 
 def converted_layers(model):
@@ -73,4 +91,4 @@ def converted_layers(model):
     return [m for m in model.modules() if hasattr(m, STATE)]
 
 
-__all__ = ["ConversionError", "apply", "converted_layers", "hf_root", "plan_swiglu"]
+__all__ = ["ConversionError", "apply", "converted_layers", "hf_root", "plan_swiglu", "swiglu_layer_shape"]
