@@ -19,25 +19,38 @@ namespace sckpt {
 constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2 / pi)
 constexpr double kTanhCubic = 0.044715;
 
-// s = sigmoid(2u) = (1 + tanh(u)) / 2 of the tanh form, u = sqrt(2/pi) (x + 0.044715 x^3);
-// *e = exp(-2u), so that 1 - s = e * s without cancellation.
-inline float tanh_gate_f(float x, float* e) {
-  const float u = float(kSqrt2OverPi) * (x + float(kTanhCubic) * x * x * x);
-  *e = fast_expf(-2.0f * u);
-  return 1.0f / (1.0f + *e);
+// The tanh form's gate s = sigmoid(v), v = 2u, and s (1 - s), both from e = exp(-|v|): neither
+// cancels, and once the gate saturates (|v| > 87.3) fast_expf gives e = 0 exactly, so s is exactly
+// 0 or 1 and s (1 - s) exactly 0. A clamped exp would leave s (1 - s) near 1e-38 for the derivative's
+// cubic term to blow up (gelu'(-1e15) came out -1.3e6 instead of 0).
+inline float tanh_v_f(float x) { return float(2 * kSqrt2OverPi) * (x + float(kTanhCubic) * x * x * x); }
+
+inline float tanh_gate_f(float x, float* s_1ms) {
+  const float v = tanh_v_f(x);
+  const float e = fast_expf(v < 0.0f ? v : -v);
+  const float r = 1.0f / (1.0f + e);
+  *s_1ms = e * r * r;
+  return v < 0.0f ? e * r : r;
 }
 
-// tanh-GELU x * s and its derivative s + x * 2 s (1 - s) u'.
+// Past |x| = 20 the gate is saturated (|v| > 600), so u' is only needed inside; clamping x there
+// keeps x^2 from overflowing to inf (inf * 0 = NaN) at huge finite inputs.
+inline float tanh_du_f(float x) {
+  const float xc = x < -20.0f ? -20.0f : (x > 20.0f ? 20.0f : x);
+  return float(kSqrt2OverPi) * (1.0f + float(3 * kTanhCubic) * xc * xc);
+}
+
+// tanh-GELU x * s and its derivative s + x * 2 s (1 - s) u'. x multiplies last, so x = +-inf gives
+// NaN as eager does, and any finite x in a saturated tail gives exactly s.
 inline float gelu_tanh_f(float x) {
-  float e;
-  return x * tanh_gate_f(x, &e);
+  float s_1ms;
+  return x * tanh_gate_f(x, &s_1ms);
 }
 
 inline float gelu_tanh_grad_f(float x) {
-  float e;
-  const float s = tanh_gate_f(x, &e);
-  const float du = float(kSqrt2OverPi) * (1.0f + float(3 * kTanhCubic) * x * x);
-  return s + x * 2.0f * s * (e * s) * du;
+  float s_1ms;
+  const float s = tanh_gate_f(x, &s_1ms);
+  return s + x * (2.0f * s_1ms * tanh_du_f(x));
 }
 
 inline double gelu_tanh_d(double x) {

@@ -10,7 +10,8 @@ namespace py = pybind11;
 namespace sckpt {
 namespace {
 
-// y[r, j] = x[r, j] * scale if kept else 0, over contiguous [rows, cols]. In-place is allowed.
+// y[r, j] = x[r, j] * (scale if kept else 0) over contiguous [rows, cols]; in-place is allowed. A product,
+// not a select, as F.dropout: a NaN or inf input gives NaN where dropped (docs/DESIGN.md, dropout contract).
 template <class T>
 void dropout_rows(const T* x, T* y, int64_t rows, int64_t cols, const PhiloxKey& key, uint32_t t16,
                   double scale) {
@@ -26,7 +27,7 @@ void dropout_rows(const T* x, T* y, int64_t rows, int64_t cols, const PhiloxKey&
       const int64_t end = g * 8 + 8 < cols ? g * 8 + 8 : cols;
       for (int64_t j = g * 8; j < end; ++j) {
         const bool keep = (bits >> (j & 7)) & 1u;
-        Elem<T>::store(yr + j, keep ? Elem<T>::load(xr + j) * s : Acc(0));
+        Elem<T>::store(yr + j, Elem<T>::load(xr + j) * (keep ? s : Acc(0)));
       }
     }
   }

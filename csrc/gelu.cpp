@@ -61,7 +61,7 @@ inline float gelu_f(float x) {
   return kTanh ? gelu_tanh_f(x) : x * normal_cdf_f(x);
 }
 
-// d/dx x * Phi(x) = Phi(x) + x phi(x);  d/dx x * s(x), s = sigmoid(2u): s + x * 2 s (1 - s) u'.
+// d/dx x * Phi(x) = Phi(x) + x phi(x); the tanh form's derivative is in activations.h.
 template <bool kTanh>
 inline float gelu_grad_f(float x) {
   if (kTanh) return gelu_tanh_grad_f(x);

@@ -17,6 +17,7 @@ autocast, which is what eager's layer_norm does there) and the matmuls in `compu
 import torch
 import torch.nn.functional as F
 
+from .double_backward import first_order_only
 from .ops.gelu import mlp_backward, mlp_forward
 from .ops.layer_norm import layer_norm_apply, layer_norm_bwd, layer_norm_fwd
 from .ops.rms_norm import rms_norm_apply, rms_norm_bwd, rms_norm_fwd
@@ -73,6 +74,7 @@ class _LNLinear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only("selective_ckpt.fused.ln_linear")
     def backward(ctx, dout):
         x, ln_w, ln_b, w, mean, rstd, u = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -114,6 +116,7 @@ class _LNMLP(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only("selective_ckpt.fused.ln_mlp")
     def backward(ctx, dy):
         x, ln_w, ln_b, w1, b1, w2, b2, mean, rstd, h, a, u, seed = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -162,6 +165,7 @@ class _RMSLinear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only("selective_ckpt.fused.rms_linear")
     def backward(ctx, dout):
         x, norm_w, w, rstd, u = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -198,6 +202,7 @@ class _RMSMLP(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only("selective_ckpt.fused.rms_mlp")
     def backward(ctx, dy):
         x, norm_w, wg, bg, wu, bu, wd, bd, rstd, gate, up, a, u, seed = ctx.saved_tensors
         need = ctx.needs_input_grad

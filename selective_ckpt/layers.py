@@ -50,13 +50,14 @@ def _check_activation(activation):
     return ACTIVATIONS[activation]
 
 
-def _check_input(x, hidden_dim, attention_mask):
+def _check_input(x, hidden_dim, attention_mask, module):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor [B, S, {hidden_dim}], got {type(x).__name__}")
     if x.dim() != 3 or x.shape[-1] != hidden_dim:
         raise ValueError(f"x must have shape [B, S, {hidden_dim}], got {list(x.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    _check_matches_parameters(x, module)
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
             raise TypeError("attention_mask must be a bool tensor [B, S] (True = attend) or None")
@@ -65,8 +66,20 @@ def _check_input(x, hidden_dim, attention_mask):
                              f"got {list(attention_mask.shape)}")
         if attention_mask.device != x.device:
             raise ValueError(f"attention_mask must be on x's device {x.device}, got {attention_mask.device}")
-    if x.shape[0] < 1 or x.shape[1] < 1:
-        raise ValueError(f"x must have at least one batch element and one position, got shape {list(x.shape)}")
+
+
+def _check_matches_parameters(x, module):
+    """x on a device the kernels run on, and of the parameters' device and dtype (unless autocast mixes them)."""
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"x is on device {x.device}: {type(module).__name__} runs on CPU and CUDA tensors only "
+                         f"(meta and other devices have no selective_ckpt kernels)")
+    w = next(module.parameters())
+    if w.device != x.device:
+        raise ValueError(f"x is on {x.device} but the parameters of {type(module).__name__} are on {w.device}")
+    if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"x has dtype {x.dtype} but the parameters of {type(module).__name__} are {w.dtype}: convert "
+                        f"one to the other (module.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast "
+                        f"to mix them")
 
 
 def _attend(qkv, num_heads, causal, dropout_p, attention_mask, seed, softmax_scale, num_kv_heads=None, window=0):
@@ -82,7 +95,7 @@ def _attend(qkv, num_heads, causal, dropout_p, attention_mask, seed, softmax_sca
     # The layer built q, k, v and drew the seed itself: the op is called without re-checking them.
     o, _ = attention_fwd_op(q, k, v, attention_mask, None, causal, window, float(dropout_p), float(scale),
                             seed if dropout_p > 0 else None)
-    return o.transpose(1, 2).reshape(B, S, nq)  # o is a view of a [B, S, H, D] buffer
+    return o.view(B, S, nq)  # o is the contiguous [B, S, H, D] buffer
 
 
 def _draw(p, device):
@@ -109,7 +122,7 @@ class SelectiveAttention(nn.Module):
         self.proj = nn.Linear(hidden_dim, hidden_dim, bias=bias, **factory)
 
     def forward(self, x, attention_mask=None):
-        _check_input(x, self.hidden_dim, attention_mask)
+        _check_input(x, self.hidden_dim, attention_mask, self)
         p_attn = self.attn_dropout if self.training else 0.0
         p = self.dropout if self.training else 0.0
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
@@ -224,21 +237,46 @@ class SelectiveDecoderLayer(nn.Module):
     def forward(self, x, attention_mask=None, position_ids=None):
         """x [B, S, hidden]; attention_mask [B, S] bool (True = attend) or None; position_ids [B or 1, S]
         int (rotary positions, used with rope_theta) or None for 0..S-1 -> [B, S, hidden]."""
-        _check_input(x, self.hidden_dim, attention_mask)
+        _check_input(x, self.hidden_dim, attention_mask, self)
         position_ids = rotary.check_position_ids(position_ids, x)
         seeds = self._draw_seeds(x.device)
         if self.recompute == "full" and self._needs_graph(x):
-            # Seeds are arguments, so the re-run in backward regenerates the very same masks.
-            return checkpoint(self._block, x, attention_mask, seeds, False, position_ids, use_reentrant=False,
+            # Seeds are arguments, so the re-run in backward regenerates the very same masks (and the
+            # forward's train/eval mode: a site runs dropout iff its seed was drawn, see _block).
+            block = self._block if torch.compiler.is_compiling() else self._block_checking_versions(x)
+            return checkpoint(block, x, attention_mask, seeds, False, position_ids, use_reentrant=False,
                               preserve_rng_state=False)
         return self._block(x, attention_mask, seeds, self.recompute == "none", position_ids)
+
+    def _block_checking_versions(self, x):
+        """_block, whose re-run in backward first checks that neither x nor a parameter was changed in
+        place since forward: the re-run would silently use the new values, where the stored modes get
+        autograd's saved-tensor version error. The same kind of error is raised here."""
+        kept = [("x", x, x._version)] + [(n, p, p._version) for n, p in self.named_parameters()]
+        runs = [0]
+
+        def block(*args):
+            if runs[0]:
+                for name, t, version in kept:
+                    if t._version != version:
+                        raise RuntimeError(
+                            f"one of the variables needed for gradient computation has been modified by an "
+                            f"inplace operation: {name} of {type(self).__name__} (recompute='full') is at "
+                            f"version {t._version}, expected version {version} as in forward. Modify "
+                            f"parameters only after backward (optimizer.step() after loss.backward()).")
+            runs[0] += 1
+            return self._block(*args)
+
+        return block
 
     def _needs_graph(self, x):
         """Whether this forward builds an autograd graph (else checkpointing would only keep x alive)."""
         return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
     def _block(self, x, attention_mask, seeds, store, position_ids=None):
-        p_attn, p = self._dropout_rates()
+        # The forward's rates: a site's seed is drawn iff its rate was on (also for "full"'s re-run).
+        p_attn = self.attn_dropout if seeds[0] is not None else 0.0
+        p = self.dropout if seeds[1] is not None else 0.0
         if self.norm == "rmsnorm":
             qkv = fused.rms_linear(x, self.ln1.weight, self.qkv.weight, self.qkv.bias, self.ln1.eps, store)
         else:

@@ -6,7 +6,6 @@ the C++ implementation (csrc/philox.h); the mask assembly below is independent P
 reference masks the tests use do not share code with the kernels' mask logic.
 """
 
-import math
 
 import torch
 
@@ -23,7 +22,9 @@ def threshold(p, name="p") -> int:
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise TypeError(f"{name} must be a Python float in [0, 1), got {type(p).__name__}")
     p = float(p)
-    if math.isnan(p) or p < 0.0 or p >= 1.0:
+    # `not 0 <= p < 1` rather than math.isnan: NaN fails it too, and under torch.compile(dynamic=True)
+    # p can be a SymFloat, which math.isnan cannot take but a comparison can (a guard).
+    if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {p}")
     t16 = round(p * U16_RANGE)
     if t16 > U16_RANGE - 1:

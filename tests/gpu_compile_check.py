@@ -105,6 +105,20 @@ def exercise():
         layer = selective_ckpt.SelectiveDecoderLayer(64, 4, dropout=0.1, attn_dropout=0.1, dtype=dtype)
         layer(torch.randn(2, 9, 64, dtype=dtype, requires_grad=True)).sum().backward()
 
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # RMSNorm (both forms) and the gated MLP
+        for offset in (0.0, 1.0):
+            x = torch.randn(4, 4096, dtype=dtype, requires_grad=True)
+            w = torch.ones(4096, dtype=dtype, requires_grad=True)
+            selective_ckpt.rms_norm(x, w, offset=offset).sum().backward()
+        for activation in ("silu", "gelu_tanh"):
+            x = torch.randn(6, 24, dtype=dtype, requires_grad=True)
+            wg, wu = (torch.randn(40, 24, dtype=dtype, requires_grad=True) for _ in range(2))
+            wd = torch.randn(24, 40, dtype=dtype, requires_grad=True)
+            selective_ckpt.swiglu_mlp(x, wg, wu, wd, dropout_p=0.1, activation=activation, seed=3).sum().backward()
+        layer = selective_ckpt.SelectiveDecoderLayer(64, 4, norm="rmsnorm", activation="swiglu", rope_theta=1e4,
+                                                     dtype=dtype)
+        layer(torch.randn(2, 9, 64, dtype=dtype, requires_grad=True)).sum().backward()
+
     counters = torch.zeros(8, 4, dtype=torch.int64)
     philox.philox_words(1, counters, torch.empty_like(counters))
     philox.attention_mask(1, 100, torch.empty(1, 2, 9, 17, dtype=torch.int8))

@@ -45,6 +45,7 @@ def test_quick_run_prints_the_table_and_writes_csv(quick_run):
         found = [line for line in proc.stdout.splitlines() if re.match(rf"\d+ +{re.escape(label)}  ", line)]
         assert len(found) == len(cfg["seqs"]), label
     assert "selective keeps" in proc.stdout and "the SDPA layer under torch checkpoint" in proc.stdout
+    assert "Llama selective keeps" in proc.stdout and "Llama rows: kv_heads=" in proc.stdout
     assert {(int(r["seq"]), r["row"]) for r in rows} == {(s, k) for s in cfg["seqs"] for k in cfg["rows"]}
     assert len(rows) == len(cfg["seqs"]) * len(cfg["rows"])
     for r in rows:  # where and when: every row carries the environment
@@ -67,8 +68,19 @@ def test_quick_run_kept_bytes_match_independent_counts(quick_run):
     for r in rows:
         s, kept = int(r["seq"]), int(r["kept_bytes_per_layer"])
         t = s * b
+        kv, ffn, D = bench.llama_kv_heads(a, "cpu")[0], int(bench.LLAMA_FFN_RATIO * h), h // a
         if r["row"] in memory.MODES:
             assert kept == memory.estimate(h, a, s, b, torch.float32, recompute=r["row"]), r
+        elif r["row"] == "llama-selective":  # x, q, k/v at kv heads, o, x1, gate, up + lse + two rstd
+            assert kept == t * (h + h + 2 * kv * D + h + h + 2 * ffn) * e + a * t * 4 + 2 * t * 4, r
+            assert kept == memory.estimate(h, a, s, b, torch.float32, num_kv_heads=kv, ffn_dim=ffn, norm="rmsnorm",
+                                           activation="swiglu"), r
+        elif r["row"] == "llama-sdpa":
+            # per RMSNorm: its input, the normalised row and the output (3h); the qkv output (h + 2 kv D),
+            # rotated q (h) and k (kv D), SDPA's output (h), x1 counted as the second norm's input; gate, up,
+            # silu(gate), the product (4 ffn); + SDPA's logsumexp, two rstd and the cos/sin tables [S, D]
+            per_token = 3 * h + (h + 2 * kv * D) + h + kv * D + h + 3 * h + 4 * ffn
+            assert kept == t * per_token * e + a * t * 4 + 2 * t * 4 + 2 * s * D * e, r
         elif r["row"] in ("eager-ckpt", "sdpa-ckpt"):
             assert kept == t * h * e  # the checkpointed layer's input only
         elif r["row"] == "sdpa":
@@ -86,12 +98,16 @@ def test_quick_run_ratios_and_budget_columns(quick_run):
     _, _, rows = quick_run
     by = {(r["seq"], r["row"]): r for r in rows}
     for r in rows:
-        eager, none = by[(r["seq"], "eager")], by[(r["seq"], "none")]
+        eager, none, sdpa = by[(r["seq"], "eager")], by[(r["seq"], "none")], by[(r["seq"], "sdpa")]
+        if r["row"].startswith("llama"):  # the Llama rows compare with the Llama layer on SDPA
+            eager = sdpa = by[(r["seq"], "llama-sdpa")]
+            assert r["time_vs_none"] == ""
+        else:
+            assert float(r["time_vs_none"]) == pytest.approx(float(r["step_s"]) / float(none["step_s"]))
         step = float(r["step_s"])
         assert step > 0 and float(r["step_s_min"]) <= step
         assert float(r["time_vs_eager"]) == pytest.approx(step / float(eager["step_s"]))
-        assert float(r["time_vs_none"]) == pytest.approx(step / float(none["step_s"]))
-        assert float(r["time_vs_sdpa"]) == pytest.approx(step / float(by[(r["seq"], "sdpa")]["step_s"]))
+        assert float(r["time_vs_sdpa"]) == pytest.approx(step / float(sdpa["step_s"]))
         kept, kept_eager = int(r["kept_bytes_per_layer"]), int(eager["kept_bytes_per_layer"])
         assert float(r["kept_vs_eager"]) == pytest.approx(kept / kept_eager)
         assert int(r["peak_bytes"]) > 0
@@ -101,6 +117,7 @@ def test_quick_run_ratios_and_budget_columns(quick_run):
         mb = {k: int(by[(seq, k)]["max_batch"]) for k in bench.CONFIGS["quick"]["rows"]}
         assert mb["full"] > mb["selective"] > mb["none"] >= 1
         assert mb["eager-ckpt"] > mb["eager"] >= 1
+        assert mb["llama-selective"] > mb["llama-sdpa"] >= 1
 
 
 def test_compiled_row_runs_in_its_own_process_with_its_budget(tmp_path):

@@ -190,58 +190,69 @@ def test_bad_llama_arguments():
 # Grouped-query and windowed attention: these run once both backends' attention kernels take them.
 
 
-def _missing_attention_support(**kw):
-    """None when both backends run a tiny grouped-query / windowed call, else the reason."""
+def _missing_support(backend, group=1, window=None):
+    """None when `backend`'s attention kernels run a tiny grouped-query / windowed call, else why not."""
     import os
 
     q = torch.randn(1, 4, 3, 8)
-    kv = torch.randn(1, 4 // kw.pop("group", 1), 3, 8)
-    for choice in ("auto", "triton"):
-        saved = os.environ.get("SELECTIVE_CKPT_BACKEND")
-        os.environ["SELECTIVE_CKPT_BACKEND"] = choice
-        try:
-            attention(q, kv, kv, causal=True, **kw)
-        except NotImplementedError as err:
-            return f"{'C++' if choice == 'auto' else 'Triton'} attention kernels: {err}"
-        finally:
-            if saved is None:
-                os.environ.pop("SELECTIVE_CKPT_BACKEND", None)
-            else:
-                os.environ["SELECTIVE_CKPT_BACKEND"] = saved
+    kv = torch.randn(1, 4 // group, 3, 8)
+    saved = os.environ.get("SELECTIVE_CKPT_BACKEND")
+    os.environ["SELECTIVE_CKPT_BACKEND"] = "triton" if backend == "triton" else "auto"
+    try:
+        attention(q, kv, kv, causal=True, sliding_window=window)
+    except NotImplementedError as err:
+        return f"{'Triton' if backend == 'triton' else 'C++'} attention kernels: {err}"
+    finally:
+        if saved is None:
+            os.environ.pop("SELECTIVE_CKPT_BACKEND", None)
+        else:
+            os.environ["SELECTIVE_CKPT_BACKEND"] = saved
     return None
 
 
-GQA_MISSING = _missing_attention_support(group=4)
-WINDOW_MISSING = _missing_attention_support(sliding_window=2)
-needs_gqa = pytest.mark.skipif(GQA_MISSING is not None, reason=f"grouped-query attention missing: {GQA_MISSING}")
-needs_window = pytest.mark.skipif(WINDOW_MISSING is not None, reason=f"sliding_window missing: {WINDOW_MISSING}")
+def require_gqa(backend):
+    reason = _missing_support(backend, group=4)
+    if reason:
+        pytest.skip(f"grouped-query attention missing: {reason}")
 
 
-@needs_gqa
+def require_window(backend):
+    reason = _missing_support(backend, window=2)
+    if reason:
+        pytest.skip(f"sliding_window missing: {reason}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_layer_matches_float64_reference(dtype, use_backend):
+    require_gqa("cpp")
     use_backend("cpp")
     check_layer(_build(64, 8, dtype, num_kv_heads=2), 2, 17, dtype)
 
 
-@needs_gqa
-def test_gqa_layer_triton_and_modes(backend):
+def test_gqa_layer_both_backends_and_modes(backend):
+    require_gqa(backend)
     check_layer(_build(32, 4, torch.float32, num_kv_heads=1), 1, 9, torch.float32)
     layer = _build(32, 4, torch.bfloat16, num_kv_heads=2, dropout=0.17, attn_dropout=0.17).train()
     _bitwise_modes(layer, torch.randn(2, 7, 32).to(torch.bfloat16))
 
 
-@needs_window
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_window_layer_matches_float64_reference(dtype, use_backend):
+    require_window("cpp")
     use_backend("cpp")
     check_layer(_build(64, 4, dtype, sliding_window=5), 2, 17, dtype)
 
 
-@needs_gqa
+def test_gqa_window_layer_both_backends(backend):
+    require_gqa(backend)
+    require_window(backend)
+    check_layer(_build(32, 4, torch.bfloat16, num_kv_heads=2, sliding_window=3), 2, 9, torch.bfloat16)
+
+
 def test_gqa_kept_bytes_are_the_llama_floor():
     # Llama-3-8B's proportions scaled down: H = 32 -> 8, Hkv = H / 4, ffn = 3.5 h, bf16: 11.5 h per
     # token of activations (x, q, k/v at Hkv, o, x1, gate, up) + lse + two rstd.
+    require_gqa("cpp")
     B, S, h, H = 2, 13, 256, 8
     layer = _build(h, H, torch.bfloat16, num_kv_heads=2, ffn_dim=int(3.5 * h))
     x = torch.randn(B, S, h, dtype=torch.bfloat16, requires_grad=True)
@@ -250,3 +261,17 @@ def test_gqa_kept_bytes_are_the_llama_floor():
     assert memory.ledger(layer, x).total == floor
     assert memory.estimate(h, H, S, B, torch.bfloat16, num_kv_heads=2, ffn_dim=int(3.5 * h), norm="rmsnorm",
                            activation="swiglu") == floor
+
+
+def test_torch_compile_fullgraph_matches_eager(use_backend):
+    use_backend("cpp")  # the interpreter cannot be traced; CPU compile goes through the C++ ops
+    layer = _build(32, 2, torch.float32, bias=True)
+    x, dy = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
+    pos = torch.arange(2, 9)[None]
+    eager = torch.autograd.grad(layer(x.requires_grad_(True), position_ids=pos), [x, *layer.parameters()], dy)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    got = torch.autograd.grad(compiled(x2, position_ids=pos), [x2, *layer.parameters()], dy)
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

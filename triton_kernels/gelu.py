@@ -16,17 +16,23 @@ TANH_CUBIC = tl.constexpr(0.044715)
 
 # Tensors stay on the left of the constexpr constants: the interpreter mishandles constexpr * tensor.
 @triton.jit
-def _gate(x, sign):
-    """sigmoid(sign * 2u) with u = sqrt(2/pi) (x + 0.044715 x^3): (1 + tanh(u)) / 2 for sign = 1 and
-    its complement 1 - that for sign = -1, each without cancellation. Clamped so exp cannot overflow."""
-    v = (x + x * x * x * TANH_CUBIC) * SQRT_2_OVER_PI * (2.0 * sign)
-    return tl.sigmoid(tl.minimum(tl.maximum(v, -80.0), 80.0))
+def _gate(x):
+    """(s, s (1 - s)) with s = sigmoid(v), v = 2u, u = sqrt(2/pi) (x + 0.044715 x^3): s = (1 + tanh(u)) / 2.
+
+    Both come from e = exp(-|v|), so neither cancels, and once the gate saturates e underflows to 0
+    and s is exactly 0 or 1, s (1 - s) exactly 0: no clamp lets a tiny s meet the derivative's cubic
+    term (a clamp at |v| = 80 gave gelu'(-1e15) = -3.9e9 instead of 0)."""
+    v = (x + x * x * x * TANH_CUBIC) * (2.0 * SQRT_2_OVER_PI)
+    e = tl.exp(-tl.abs(v))
+    r = 1.0 / (1.0 + e)
+    return tl.where(v < 0.0, e * r, r), e * r * r
 
 
 @triton.jit
 def gelu_value(x, TANH: tl.constexpr):
     if TANH:
-        return x * _gate(x, 1.0)
+        s, _ = _gate(x)
+        return x * s
     else:
         return x * 0.5 * (1.0 + tl.erf(x * INV_SQRT_2))
 
@@ -34,10 +40,13 @@ def gelu_value(x, TANH: tl.constexpr):
 @triton.jit
 def gelu_grad(x, TANH: tl.constexpr):
     if TANH:
-        # d/dx x s(x), s = sigmoid(2u): s + x * 2 s (1 - s) u'
-        s = _gate(x, 1.0)
-        du = (x * x * (3.0 * TANH_CUBIC) + 1.0) * SQRT_2_OVER_PI
-        return s + x * 2.0 * s * _gate(x, -1.0) * du
+        # d/dx x s(x), s = sigmoid(2u): s + x * 2 s (1 - s) u'. u' is only needed where the gate is not
+        # saturated (|x| < 20), so x is clamped there to keep x^2 finite; x multiplies last, so
+        # x = +-inf gives NaN as eager does and a finite x in a saturated tail gives exactly s.
+        s, s_1ms = _gate(x)
+        xc = tl.minimum(tl.maximum(x, -20.0), 20.0)
+        du = (xc * xc * (3.0 * TANH_CUBIC) + 1.0) * SQRT_2_OVER_PI
+        return s + x * (s_1ms * du * 2.0)
     else:
         cdf = (1.0 + tl.erf(x * INV_SQRT_2)) * 0.5
         return cdf + x * tl.exp(x * x * -0.5) * INV_SQRT_2PI

@@ -1,4 +1,5 @@
-"""The main job: activation memory, peak memory and step time of one decoder layer stack, ten ways.
+"""The main job: activation memory, peak memory and step time of one decoder layer stack, ten ways,
+plus a Llama-style layer two ways.
 
     python -m selective_ckpt.bench                 # CPU: h=512, a=8, 2 layers, B=2, seq 256/512/1024
     python -m selective_ckpt.bench --quick         # tiny CPU config (< 1 minute)
@@ -15,6 +16,11 @@ Rows, measured in the same run on the same input:
                    (each compiled row runs in a process of its own, with the sdpa row timed beside it
                    there for its "vs sdpa" ratio; --quick skips them)
   none / selective / full   SelectiveDecoderLayer with that recompute mode
+  llama-sdpa       a Llama-style layer (same hidden size and heads, kv heads = heads / 4, RMSNorm,
+                   RoPE, SwiGLU of width 3.5 h, no biases) on nn modules and SDPA (enable_gqa)
+  llama-selective  SelectiveDecoderLayer of that shape, selective; its "vs eager" and "vs sdpa"
+                   ratios are to llama-sdpa. Where the attention kernels do not take grouped k/v
+                   yet, both Llama rows run with kv heads = heads (the header says so)
 
 Columns:
   kept/layer   bytes kept for backward per layer: selective_ckpt.memory.ledger (saved-tensor hooks,
@@ -39,19 +45,23 @@ from .config import (
     COMPILED_ROWS,
     CONFIGS,
     CPU_BUDGET,
+    LLAMA_FFN_RATIO,
+    LLAMA_KV_RATIO,
     MODEL_LAYERS,
     ROW_LABELS,
     ROWS,
     build_parser,
+    llama_kv_heads,
     parse_budget,
     resolve_config,
 )
 from .report import describe, format_table, summary, write_csv, write_plots
 from .runner import Progress, Step, build_stack, measure_peak, run, sync
 
-__all__ = ["COMPILED_ROWS", "CONFIGS", "CPU_BUDGET", "MODEL_LAYERS", "Progress", "ROWS", "ROW_LABELS", "Step",
-           "build_parser", "build_stack", "describe", "format_table", "main", "measure_peak", "parse_budget",
-           "resolve_config", "run", "summary", "sync", "write_csv", "write_plots"]
+__all__ = ["COMPILED_ROWS", "CONFIGS", "CPU_BUDGET", "LLAMA_FFN_RATIO", "LLAMA_KV_RATIO", "MODEL_LAYERS", "Progress",
+           "ROWS", "ROW_LABELS", "Step", "build_parser", "build_stack", "describe", "format_table", "llama_kv_heads",
+           "main", "measure_peak", "parse_budget", "resolve_config", "run", "summary", "sync", "write_csv",
+           "write_plots"]
 
 
 def main(argv=None):

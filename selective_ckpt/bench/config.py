@@ -9,7 +9,7 @@ import torch
 from .. import memory
 
 ROWS = ("eager", "eager-ckpt", "eager-sac", "sdpa", "sdpa-ckpt", "sdpa-compile", "sdpa-compile-budget", "none",
-        "selective", "full")
+        "selective", "full", "llama-sdpa", "llama-selective")
 # torch.compile rows run in a subprocess each: compiled graphs and the activation_memory_budget are
 # process-wide, so one process measures one budget (docs/DESIGN.md, Known traps).
 COMPILED_ROWS = {"sdpa-compile": None, "sdpa-compile-budget": 0.5}
@@ -24,6 +24,8 @@ ROW_LABELS = {
     "none": "SelectiveDecoderLayer none",
     "selective": "SelectiveDecoderLayer selective",
     "full": "SelectiveDecoderLayer full",
+    "llama-sdpa": "Llama SDPA layer",
+    "llama-selective": "Llama SelectiveDecoderLayer selective",
 }
 
 CONFIGS = {
@@ -33,6 +35,11 @@ CONFIGS = {
     "cuda": dict(hidden=4096, heads=32, layers=1, batch=1, seqs=(2048, 4096, 8192), dtype="bf16", repeats=10,
                  warmup=3),
 }
+# The Llama-style rows: the same hidden size and heads, kv heads = heads / 4 (grouped-query, where
+# heads allow it and the attention kernels take it), SwiGLU of width 3.5 h, RMSNorm, RoPE.
+LLAMA_KV_RATIO = 4
+LLAMA_FFN_RATIO = 3.5
+LLAMA_ROPE_THETA = 500000.0
 CPU_BUDGET = 8 * 2**30
 MODEL_LAYERS = 32
 
@@ -176,4 +183,23 @@ def resolve_config(args):
             raise SystemExit("--budget as a percentage needs --device cuda (on cpu give bytes, e.g. 8GiB)")
         nbytes = int(total * frac)
     cfg["budget"] = nbytes
+    cfg["llama_ffn"] = int(LLAMA_FFN_RATIO * cfg["hidden"])
+    cfg["llama_kv_heads"], cfg["llama_note"] = llama_kv_heads(cfg["heads"], device)
     return cfg
+
+
+def llama_kv_heads(heads, device):
+    """(kv heads of the Llama rows, a note or ""): heads / 4 when the attention kernels on `device` take
+    grouped k/v, else heads, so both Llama rows compare the same shape."""
+    from ..ops.attention import attention
+
+    if heads % LLAMA_KV_RATIO:
+        return heads, f"Llama rows: {heads} heads do not split {LLAMA_KV_RATIO}:1, kv heads = heads"
+    kv = heads // LLAMA_KV_RATIO
+    q = torch.zeros(1, heads, 2, 8, device=device)
+    k = torch.zeros(1, kv, 2, 8, device=device)
+    try:
+        attention(q, k, k, causal=True)
+    except NotImplementedError as err:
+        return heads, f"Llama rows: grouped-query attention not available here ({err}), kv heads = heads"
+    return kv, ""

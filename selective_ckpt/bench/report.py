@@ -46,7 +46,10 @@ def describe(cfg):
             f"heads={cfg['heads']} mlp_ratio={cfg['mlp_ratio']:g} layers={cfg['layers']} batch={cfg['batch']} "
             f"seq={','.join(map(str, cfg['seqs']))} causal={cfg['causal']} repeats={cfg['repeats']} "
             f"warmup={cfg['warmup']} budget={memory.format_bytes(cfg['budget'])} model_layers={cfg['model_layers']} "
-            f"torch={torch.__version__} threads={torch.get_num_threads()}")
+            f"torch={torch.__version__} threads={torch.get_num_threads()}"
+            + (f"\nLlama rows: kv_heads={cfg['llama_kv_heads']} ffn={cfg['llama_ffn']} swiglu rmsnorm rope"
+               if any(r.startswith("llama") for r in cfg["rows"]) else "")
+            + (f"\n{cfg['llama_note']}" if cfg.get("llama_note") else ""))
 
 
 def summary(results):
@@ -67,6 +70,10 @@ def summary(results):
         if full is not None and ckpt is not None:
             parts.append(f"full {_ratio(full['step_s'] / ckpt['step_s'])} the SDPA layer under torch checkpoint")
         lines.append(", ".join(parts))
+        llama = by.get((seq, "llama-selective"))
+        if llama is not None and llama["kept_vs_eager"] is not None:
+            lines.append(f"seq {seq}: Llama selective keeps {_ratio(llama['kept_vs_eager'])} the Llama SDPA layer's "
+                         f"activations, step {_ratio(llama['time_vs_sdpa'])} it")
     return "\n".join(lines)
 
 

@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from .. import memory
 from ..layers import SelectiveDecoderLayer
 from ..models.eager import EagerDecoderLayer
-from .config import COMPILED_ROWS
+from .config import COMPILED_ROWS, LLAMA_ROPE_THETA
+from .llama_sdpa import LlamaSDPALayer
 from .sdpa_layer import SDPADecoderLayer
 
 
@@ -38,6 +39,15 @@ def build_stack(row, cfg):
     for _ in range(cfg["layers"]):
         if row in ("none", "selective", "full"):
             layers.append(SelectiveDecoderLayer(h, a, mlp_ratio=r, causal=causal, recompute=row, **factory))
+            continue
+        if row == "llama-sdpa":
+            layers.append(LlamaSDPALayer(h, a, cfg["llama_kv_heads"], cfg["llama_ffn"], LLAMA_ROPE_THETA,
+                                         causal=causal, **factory))
+            continue
+        if row == "llama-selective":
+            layers.append(SelectiveDecoderLayer(h, a, causal=causal, bias=False, num_kv_heads=cfg["llama_kv_heads"],
+                                                ffn_dim=cfg["llama_ffn"], norm="rmsnorm", activation="swiglu",
+                                                rope_theta=LLAMA_ROPE_THETA, **factory))
             continue
         if row.startswith("sdpa"):
             layer = SDPADecoderLayer(h, a, mlp_ratio=r, causal=causal, **factory)
@@ -218,6 +228,9 @@ def _derive(results, cfg):
     for r in results:
         eager, none = by.get((r["seq"], "eager")), by.get((r["seq"], "none"))
         sdpa = by.get((r["seq"], "sdpa"))
+        if r["row"].startswith("llama"):  # the Llama rows' baseline is the Llama layer on SDPA
+            eager = sdpa = by.get((r["seq"], "llama-sdpa"))
+            none = None
         r["kept_vs_eager"] = r["kept_bytes_per_layer"] / eager["kept_bytes_per_layer"] if eager else None
         r["time_vs_eager"] = r["step_s"] / eager["step_s"] if eager else None
         r["time_vs_none"] = r["step_s"] / none["step_s"] if none else None

@@ -14,12 +14,21 @@ from typing import Optional
 import torch
 
 from .. import backend, rng
+from ..double_backward import first_order_only
 from ..validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool
 
 
 def _output(q):
+    """The output buffer, contiguous [B, Sq, H, D]. The op returns it as it is and callers take the
+    [B, H, Sq, D] view outside the op: an ordinary view, so in-place ops on it work as on eager
+    outputs (a view made inside a custom op is refused by autograd for in-place use)."""
     B, H, Sq, D = q.shape
-    return torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device).permute(0, 2, 1, 3)
+    return torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device)
+
+
+def heads_view(o):
+    """[B, Sq, H, D] -> the [B, H, Sq, D] view the kernels and the public function use."""
+    return o.permute(0, 2, 1, 3)
 
 
 @torch.library.custom_op("selective_ckpt::attention_fwd", mutates_args=())
@@ -31,8 +40,9 @@ def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     t16, ks = rng.kernel_constants(dropout_p)
-    backend.call("attention", "forward", q, k, v, o, lse, mask, cu_seqlens, causal, sliding_window, softmax_scale,
-                 seed, t16, ks)
+    if o.numel():  # an empty batch or query length has nothing to compute
+        backend.call("attention", "forward", q, k, v, heads_view(o), lse, mask, cu_seqlens, causal, sliding_window,
+                     softmax_scale, seed, t16, ks)
     return o, lse
 
 
@@ -51,6 +61,8 @@ def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     t16, ks = rng.kernel_constants(dropout_p)
+    if not do.numel():
+        return dq, dk.zero_(), dv.zero_()
     backend.call("attention", "backward", do, q, k, v, o, lse.contiguous(), mask, cu_seqlens, causal, sliding_window,
                  softmax_scale, seed, t16, ks, dq, dk, dv)
     return dq, dk, dv
@@ -67,10 +79,11 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, mask, cu_seqlens, seed)
 
 
+@first_order_only("selective_ckpt.attention")
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, mask, cu_seqlens, seed = ctx.saved_tensors
-    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p,
-                                  ctx.softmax_scale, seed)
+    dq, dk, dv = attention_bwd_op(heads_view(do), q, k, v, heads_view(o), lse, mask, cu_seqlens, ctx.causal,
+                                  ctx.window, ctx.dropout_p, ctx.softmax_scale, seed)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -100,10 +113,11 @@ def _check_qkv(q, k, v):
         raise ValueError(f"v must have the shape of k {list(k.shape)}, got {list(v.shape)}")
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head dim D (the last dim of q, k, v) must be in [1, {MAX_HEAD_DIM}], got {D}")
-    if Sq < 1 or k.shape[2] < 1 or B < 1 or H < 1:
-        raise ValueError(f"B, H, Sq and Sk must be at least 1, got q {list(q.shape)} and k {list(k.shape)}")
+    if H < 1 or (k.shape[2] < 1 and B * Sq > 0):
+        raise ValueError(f"H and Sk must be at least 1 (B = 0 or Sq = 0 give an empty output), got q "
+                         f"{list(q.shape)} and k {list(k.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
+        if t.stride(-1) != 1 and D > 1:  # a size-1 dim's stride is never used
             raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
 
 
@@ -182,13 +196,15 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
 
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H % Hkv == 0 (query head h reads kv head
     h // (H // Hkv); k and v are never expanded), one dtype (fp32, fp16, bf16), any strides with a
-    contiguous last dim. `causal` lets query i attend keys j <= i (top-left, like PyTorch's
-    is_causal); `sliding_window=w` also requires j > i - w (Mistral's convention);
+    contiguous last dim (any stride when D = 1); B = 0 or Sq = 0 give an empty output. `causal` lets
+    query i attend keys j <= i (top-left, like PyTorch's is_causal); `sliding_window=w` also requires
+    j > i - w (Mistral's convention);
     `key_padding_mask` [B, Sk] bool, True = attend; `cu_seqlens` int32 [n + 1] (0 ... S) packs n
     documents into one row (B = 1, Sq = Sk = S): queries attend only keys of their own document,
     causal and window measured inside it. Rows with nothing to attend give 0.
     `dropout_p` drops normalised probabilities with the contract's mask; `seed=None` draws one from
-    torch's generator when dropout_p > 0. The result is a view of a contiguous [B, Sq, H, D] buffer.
+    torch's generator when dropout_p > 0. The result is an ordinary view of a contiguous [B, Sq, H, D]
+    buffer (in-place ops on it work as on any tensor).
     """
     _check_qkv(q, k, v)
     check_bool(causal, "causal")
@@ -204,4 +220,4 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
             rng.seed_arg(seed)  # validated all the same
         seed = None  # no mask is drawn; torch's generator is left untouched
     o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed)
-    return o
+    return heads_view(o)

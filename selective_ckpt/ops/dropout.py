@@ -48,8 +48,10 @@ dropout_op.register_autograd(_backward, setup_context=_setup_context)
 def dropout(x: torch.Tensor, p: float, seed=None) -> torch.Tensor:
     """Elementwise dropout with the contract's mask over x viewed as [rows, last dim].
 
-    Kept values are scaled by rng.keep_scale(p). Autograd saves only the seed; `seed=None` draws
-    one from torch's generator for x's device.
+    Kept values are scaled by rng.keep_scale(p). Dropped values are multiplied by 0, as F.dropout
+    does, so a NaN or inf input stays NaN there (a NaN is never hidden by the mask); the same holds
+    for gradients. Autograd saves only the seed; `seed=None` draws one from torch's generator for
+    x's device.
     """
     check_floating(x, "x")
     rng.threshold(p)

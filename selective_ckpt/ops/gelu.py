@@ -14,6 +14,7 @@ other autograd code (selective_ckpt/fused.py, which saves the norm input instead
 import torch
 
 from .. import backend, rng
+from ..double_backward import first_order_only
 from ..validation import check_floating
 from .dropout import dropout_op
 
@@ -77,8 +78,8 @@ def check_mlp_args(x, w1, b1, w2, b2):
             raise TypeError(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
-    if x.dim() < 1:
-        raise ValueError("x must have shape [..., in], got a 0-dim tensor")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have shape [..., in] with in >= 1, got {list(x.shape)}")
     if w1.dim() != 2 or w1.shape[1] != x.shape[-1]:
         raise ValueError(f"w1 must have shape [hidden, in] with in = x.shape[-1] = {x.shape[-1]}, "
                          f"got {list(w1.shape)}")
@@ -175,6 +176,7 @@ class _GeluMLP(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only("selective_ckpt.gelu_mlp")
     def backward(ctx, dy):
         x, h, a, w1, b1, w2, b2, seed = ctx.saved_tensors
         grads = mlp_backward(dy, x, h, a, w1, b1, w2, b2, ctx.dropout_p, ctx.approximate, seed,

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from .. import backend
+from ..double_backward import first_order_only
 from ..validation import check_floating
 
 
@@ -27,9 +28,24 @@ def _contiguous(*ts):
     return tuple(None if t is None else t.contiguous() for t in ts)
 
 
+def _check_operands(x, weight, bias, mean=None, rstd=None):
+    """The kernels read weight, bias and the statistics by x's row length and dtype: anything else
+    would read past them, so every op checks before launching (callers inside the package included)."""
+    n = x.shape[-1] if x.dim() else 0
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.shape != (n,) or t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"layer norm {name} must be [{n}] {x.dtype} on {x.device} like x's last dim, got "
+                             f"{list(t.shape)} {t.dtype} on {t.device}")
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        if t is not None and (t.shape != x.shape[:-1] or t.dtype != stat_dtype(x.dtype)):
+            raise ValueError(f"layer norm {name} must be {list(x.shape[:-1])} {stat_dtype(x.dtype)}, got "
+                             f"{list(t.shape)} {t.dtype}")
+
+
 @torch.library.custom_op("selective_ckpt::layer_norm_fwd", mutates_args=())
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_operands(x, weight, bias)
     x, weight, bias = _contiguous(x, weight, bias)
     rows, n = _rows(x)
     y = torch.empty_like(x)
@@ -49,6 +65,7 @@ def _(x, weight, bias, eps):
 @torch.library.custom_op("selective_ckpt::layer_norm_apply", mutates_args=())
 def layer_norm_apply(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], mean: torch.Tensor,
                      rstd: torch.Tensor) -> torch.Tensor:
+    _check_operands(x, weight, bias, mean, rstd)
     x, weight, bias, mean, rstd = _contiguous(x, weight, bias, mean, rstd)
     rows, n = _rows(x)
     y = torch.empty_like(x)
@@ -66,6 +83,9 @@ def _(x, weight, bias, mean, rstd):
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias) of y = LayerNorm(x) * weight + bias."""
+    _check_operands(x, weight, None, mean, rstd)
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(f"layer norm dy must match x {list(x.shape)} {x.dtype}, got {list(dy.shape)} {dy.dtype}")
     dy, x, weight, mean, rstd = _contiguous(dy, x, weight, mean, rstd)
     rows, n = _rows(x)
     dx = torch.empty_like(x)
@@ -89,6 +109,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, mean, rstd)
 
 
+@first_order_only("selective_ckpt.layer_norm")
 def _backward(ctx, gy, gmean, grstd):
     x, weight, mean, rstd = ctx.saved_tensors
     dx, dw, db = layer_norm_bwd(gy.contiguous(), x, mean, rstd, weight)

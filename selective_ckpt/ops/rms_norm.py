@@ -11,6 +11,7 @@ Mistral, Qwen) is `w * (x * rstd).to(dtype)`; offset 1 (Gemma) is `(x * rstd * (
 import torch
 
 from .. import backend
+from ..double_backward import first_order_only
 from ..validation import check_floating
 from .layer_norm import stat_dtype
 
@@ -20,9 +21,24 @@ def _rows(x):
     return (x.numel() // n if n else 0), n
 
 
+def _check_operands(x, weight, rstd=None, dy=None):
+    """The kernels read weight and rstd by x's row length and dtype: anything else would read past
+    them, so every op checks before launching (the fused pieces call the ops directly)."""
+    n = x.shape[-1] if x.dim() else 0
+    if weight.shape != (n,) or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"rms norm weight must be [{n}] {x.dtype} on {x.device} like x's last dim, got "
+                         f"{list(weight.shape)} {weight.dtype} on {weight.device}")
+    if rstd is not None and (rstd.shape != x.shape[:-1] or rstd.dtype != stat_dtype(x.dtype)):
+        raise ValueError(f"rms norm rstd must be {list(x.shape[:-1])} {stat_dtype(x.dtype)}, got "
+                         f"{list(rstd.shape)} {rstd.dtype}")
+    if dy is not None and (dy.shape != x.shape or dy.dtype != x.dtype):
+        raise ValueError(f"rms norm dy must match x {list(x.shape)} {x.dtype}, got {list(dy.shape)} {dy.dtype}")
+
+
 @torch.library.custom_op("selective_ckpt::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_operands(x, weight)
     x, weight = x.contiguous(), weight.contiguous()
     rows, n = _rows(x)
     y = torch.empty_like(x)
@@ -40,6 +56,7 @@ def _(x, weight, eps, offset):
 
 @torch.library.custom_op("selective_ckpt::rms_norm_apply", mutates_args=())
 def rms_norm_apply(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float) -> torch.Tensor:
+    _check_operands(x, weight, rstd)
     x, weight, rstd = x.contiguous(), weight.contiguous(), rstd.contiguous()
     rows, n = _rows(x)
     y = torch.empty_like(x)
@@ -57,6 +74,7 @@ def _(x, weight, rstd, offset):
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, offset: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight) of y = RMSNorm(x) * (offset + weight)."""
+    _check_operands(x, weight, rstd, dy)
     dy, x, rstd, weight = dy.contiguous(), x.contiguous(), rstd.contiguous(), weight.contiguous()
     rows, n = _rows(x)
     dx = torch.empty_like(x)
@@ -78,6 +96,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, rstd)
 
 
+@first_order_only("selective_ckpt.rms_norm")
 def _backward(ctx, gy, grstd):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = rms_norm_bwd(gy.contiguous(), x, rstd, weight, ctx.offset)

@@ -16,6 +16,7 @@ autograd building block that keeps gate and up only.
 import torch
 
 from .. import backend, rng
+from ..double_backward import first_order_only
 from ..validation import check_floating
 from .dropout import dropout_op
 
@@ -87,6 +88,7 @@ class _GatedProduct(torch.autograd.Function):
         return gated_product_op(gate, up, activation)
 
     @staticmethod
+    @first_order_only("selective_ckpt.ops.swiglu.gated_product")
     def backward(ctx, da):
         gate, up = ctx.saved_tensors
         dgate = da.clone(memory_format=torch.contiguous_format)  # autograd's da is not ours to overwrite
@@ -170,7 +172,7 @@ def gated_mlp_backward(dy, x, gate, up, a_or_None, w_gate, b_gate, w_up, b_up, w
     needs_input_grad: seven bools in that order; a gradient not needed (or of a None bias) is None.
     Order keeps peak memory under eager's: the dropout mask is regenerated into dz, the product is
     rebuilt only for dw_down and freed, then dL/da = dz @ w_down becomes dgate in place while the
-    same pass writes dup.
+    same pass writes dup, whose gradients are taken and which is freed before dgate's.
     """
     nx, nwg, nbg, nwu, nbu, nwd, nbd = needs_input_grad
     ffn, out = w_gate.shape[0], w_down.shape[0]
@@ -191,12 +193,15 @@ def gated_mlp_backward(dy, x, gate, up, a_or_None, w_gate, b_gate, w_up, b_up, w
         del dz
         dup = gated_product_backward_op(dgate, g2, u2, activation)
         x2 = x.reshape(-1, x.shape[-1])
-        dbg = dgate.sum(0) if nbg and b_gate is not None else None
+        # dup's contributions first, then it is freed before dgate's weight gradient is allocated.
         dbu = dup.sum(0) if nbu and b_up is not None else None
-        dwg = dgate.t() @ x2 if nwg else None
         dwu = dup.t() @ x2 if nwu else None
+        dx_up = dup @ w_up if nx else None
+        del dup
+        dbg = dgate.sum(0) if nbg and b_gate is not None else None
+        dwg = dgate.t() @ x2 if nwg else None
         if nx:
-            dx = torch.addmm(dgate @ w_gate, dup, w_up).reshape(x.shape)
+            dx = torch.addmm(dx_up, dgate, w_gate).reshape(x.shape)
     return dx, dwg, dbg, dwu, dbu, dw_down, db_down
 
 
@@ -213,6 +218,7 @@ class _GatedMLP(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only("selective_ckpt.swiglu_mlp")
     def backward(ctx, dy):
         x, gate, up, a, w_gate, b_gate, w_up, b_up, w_down, b_down, seed = ctx.saved_tensors
         n = ctx.needs_input_grad

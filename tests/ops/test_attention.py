@@ -308,6 +308,7 @@ def test_opcheck_both_ops(use_backend):
     seed = rng.seed_arg(2**64 - 5)
     torch.library.opcheck(attention_ops.attention_fwd_op, (q, k, v, mask, None, True, 0, 0.2, 0.25, seed))
     o, lse = attention_ops.attention_fwd_op(q, k, v, None, None, False, 0, 0.0, 0.25, None)
+    o = attention_ops.heads_view(o)  # the op returns the [B, Sq, H, D] buffer
     do = torch.randn_like(o)
     torch.library.opcheck(attention_ops.attention_bwd_op,
                           (do, q.detach(), k, v, o.detach(), lse.detach(), mask, None, False, 0, 0.2, 0.25, seed))

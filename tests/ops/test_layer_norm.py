@@ -155,3 +155,19 @@ def test_cuda_layer_norm_matches_float64_reference(dtype):
         assert_within_rule(o, e, r, 3, floor=1e-4, name=name)
     y, mean, rstd = ln_ops.layer_norm_fwd(x, w, b, 1e-5)
     assert torch.equal(ln_ops.layer_norm_apply(x, w, b, mean, rstd), y)
+
+
+def test_ops_refuse_mismatched_operands_instead_of_reading_past_them():
+    # the fused pieces call the ops directly: a weight of the wrong length must be an error, not a crash
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="weight must be \\[8\\]"):
+        ln_ops.layer_norm_fwd(x, torch.ones(5), None, 1e-5)
+    with pytest.raises(ValueError, match="bias must be \\[8\\] torch.float32"):
+        ln_ops.layer_norm_fwd(x, torch.ones(8), torch.ones(8, dtype=torch.float64), 1e-5)
+    y, mean, rstd = ln_ops.layer_norm_fwd(x, torch.ones(8), None, 1e-5)
+    with pytest.raises(ValueError, match="rstd must be \\[3\\]"):
+        ln_ops.layer_norm_apply(x, torch.ones(8), None, mean, rstd[:2])
+    with pytest.raises(ValueError, match="dy must match x"):
+        ln_ops.layer_norm_bwd(torch.ones(3, 7), x, mean, rstd, torch.ones(8))
+    with pytest.raises(ValueError, match="weight must be \\[8\\]"):
+        fused.ln_linear(x[None], torch.ones(5), None, torch.randn(4, 8), None)

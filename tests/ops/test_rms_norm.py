@@ -142,3 +142,24 @@ def test_rejects_bad_eps_and_offset():
         rms_norm(torch.ones(2, 3), torch.ones(3), eps=0.0)
     with pytest.raises(TypeError, match="offset"):
         rms_norm(torch.ones(2, 3), torch.ones(3), offset="gemma")
+
+
+def test_double_backward_is_a_clear_error():
+    x, w, _ = _inputs((3, 8), torch.float32, 0.0)
+    x.requires_grad_(True)
+    (gx,) = torch.autograd.grad(rms_norm(x, w).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="selective_ckpt.rms_norm does not support double backward"):
+        gx.sum().backward()
+
+
+def test_ops_refuse_operands_the_kernels_would_misread():
+    x, w, dy = _inputs((3, 8), torch.float32, 0.0)
+    _, rstd = rms_ops.rms_norm_fwd(x, w, EPS, 0.0)
+    with pytest.raises(ValueError, match="rms norm weight must be \\[8\\]"):
+        rms_ops.rms_norm_fwd(x, torch.ones(5), EPS, 0.0)
+    with pytest.raises(ValueError, match="rms norm weight"):
+        rms_ops.rms_norm_apply(x, w.double(), rstd, 0.0)
+    with pytest.raises(ValueError, match="rms norm rstd"):
+        rms_ops.rms_norm_apply(x, w, rstd[:2], 0.0)
+    with pytest.raises(ValueError, match="rms norm dy"):
+        rms_ops.rms_norm_bwd(dy[:, :4], x, rstd, w, 0.0)
