@@ -8,6 +8,11 @@ CUDA memory from the caching allocator's counters. On CUDA TFLOP/s use 4*B*H*Sq*
 forward (halved when causal) and 2.5 times that for the backward.
 
     python bench/attention.py --batch 2 --heads 8 --seq 512 --dim 64
+
+`--table` runs the CPU comparison instead: our fwd+bwd against SDPA's, interleaved round by round
+in one process (fp32 causal B=2 H=8 D=64 at S 512-4096, bf16 at 2048), medians with p20/p80, and
+16 packed documents of 256 (cu_seqlens) against one document of 4096 through our kernel.
+`--tiles 128x64,64x64` also sweeps the C++ kernel's query x key tile sizes.
 """
 
 import argparse
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import selective_ckpt  # noqa: E402
-from selective_ckpt import memory  # noqa: E402
+from selective_ckpt import backend, memory  # noqa: E402
 from selective_ckpt.bench import sync  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -112,6 +117,104 @@ def flops(args):
     return fwd, 2.5 * fwd, 3.5 * fwd
 
 
+def quantiles(xs):
+    """(p20, median, p80) of a sample."""
+    xs = sorted(xs)
+    at = lambda f: xs[min(len(xs) - 1, max(0, round(f * (len(xs) - 1))))]
+    return at(0.2), statistics.median(xs), at(0.8)
+
+
+def fwd_bwd_seconds(fn, qkv, grad, tiles=None):
+    """Seconds of one forward+backward; `tiles` (query, key) holds for the C++ kernels meanwhile."""
+    old = backend._C.attention_tiles(*tiles) if tiles else None
+    try:
+        qkv.grad = None
+        t0 = time.perf_counter()
+        fn(*views(qkv)).backward(grad)
+        return time.perf_counter() - t0
+    finally:
+        if old:
+            backend._C.attention_tiles(*old)
+
+
+def interleaved(fns, qkv, grad, rounds, warmup=1):
+    """Seconds per round for each fn, run alternately (order flipped every round) so load drifts on
+    a shared machine hit all of them alike; per-round time ratios of each fn to the first.
+    fns: name -> (fn, tiles or None)."""
+    times = {n: [] for n in fns}
+    for r in range(warmup + rounds):
+        order = list(fns) if r % 2 == 0 else list(reversed(fns))
+        got = {n: fwd_bwd_seconds(*fns[n][:1], qkv, grad, fns[n][1]) for n in order}
+        if r >= warmup:
+            for n in fns:
+                times[n].append(got[n])
+    first = next(iter(fns))
+    ratios = {n: [a / b for a, b in zip(times[n], times[first])] for n in fns}
+    return times, ratios
+
+
+def packed(q, k, v, cu_seqlens):
+    return selective_ckpt.attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
+
+
+def fmt(q3, scale=1e3):
+    lo, med, hi = q3
+    return f"{med * scale:9.1f} [{lo * scale:.1f}, {hi * scale:.1f}]"
+
+
+def run_table(args):
+    B, H, D = 2, 8, 64
+    configs = [(S, "fp32") for S in (512, 1024, 2048, 4096)] + [(2048, "bf16")]
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")] if args.tiles else []
+    default_tiles = backend._C.attention_tiles(64, 64)
+    backend._C.attention_tiles(*default_tiles)
+    print(f"CPU attention fwd+bwd, causal, B={B} H={H} D={D}, {args.rounds} interleaved rounds "
+          f"(torch threads {torch.get_num_threads()}, kernel ISA {backend._C.attention_isa()}, "
+          f"tiles {default_tiles[0]}x{default_tiles[1]}); ms median [p20, p80], ratio = ours / SDPA per round")
+    print(f"{'S':>6} {'dtype':>5} {'SDPA ms':>26} {'ours ms':>26} {'ratio':>22}")
+    for S, dt in configs:
+        qkv = torch.randn(B, S, 3, H, D, dtype=DTYPES[dt], requires_grad=True)
+        grad = torch.randn(B, H, S, D, dtype=DTYPES[dt])
+        mine = lambda q, k, v: ours(q, k, v, True, 0.0)
+        fns = {"sdpa": (lambda q, k, v: sdpa(q, k, v, True, 0.0), None), "ours": (mine, None)}
+        fns.update({f"ours {bq}x{bk}": (mine, (bq, bk)) for bq, bk in tiles})
+        rounds = args.rounds if S < 4096 else max(3, args.rounds // 2)
+        times, ratios = interleaved(fns, qkv, grad, rounds)
+        for n in fns:
+            if n == "sdpa":
+                continue
+            r = quantiles(ratios[n])
+            label = "" if n == "ours" else f"  ({n})"
+            print(f"{S:>6} {dt:>5} {fmt(quantiles(times['sdpa'])):>26} {fmt(quantiles(times[n])):>26} "
+                  f"{r[1]:>8.3f} [{r[0]:.3f}, {r[2]:.3f}]{label}")
+
+    S, docs = 4096, 16
+    q, k, v = (torch.randn(1, H, S, D, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, H, S, D)
+    cu = torch.arange(0, S + 1, S // docs, dtype=torch.int32)
+    one = torch.tensor([0, S], dtype=torch.int32)
+    fns = {"one": lambda: packed(q, k, v, one).backward(grad), "packed": lambda: packed(q, k, v, cu).backward(grad)}
+    times = {n: [] for n in fns}
+    for r in range(1 + args.rounds):
+        for n in (fns if r % 2 == 0 else reversed(list(fns))):
+            q.grad = k.grad = v.grad = None
+            t0 = time.perf_counter()
+            fns[n]()
+            if r:
+                times[n].append(time.perf_counter() - t0)
+    ratio = quantiles([a / b for a, b in zip(times["packed"], times["one"])])
+    peaks = {}
+    for n, fn in fns.items():
+        q.grad = k.grad = v.grad = None
+        peaks[n] = memory.cpu_peak_bytes(fn)
+    mib = 1 << 20
+    print(f"\npacked documents, ours, causal fp32 H={H} D={D}: {docs} x {S // docs} (cu_seqlens) vs 1 x {S}")
+    print(f"  fwd+bwd ms: packed {fmt(quantiles(times['packed']))}, one document {fmt(quantiles(times['one']))}; "
+          f"ratio {ratio[1]:.3f} [{ratio[0]:.3f}, {ratio[2]:.3f}] (sum of len^2 ratio {1 / docs:.3f})")
+    print(f"  peak MiB (torch allocations; the kernel's own per-thread tiles are not seen): packed "
+          f"{peaks['packed'] / mib:.2f}, one document {peaks['one'] / mib:.2f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,7 +229,12 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    ap.add_argument("--table", action="store_true", help="the CPU comparison table against SDPA (see above)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per --table row")
+    ap.add_argument("--tiles", default="", help="--table: also time these C++ tile sizes, e.g. 128x64,64x64")
     args = ap.parse_args(argv)
+    if args.table:
+        return run_table(args)
     device = torch.device(args.device)
     names = [n.strip() for n in args.impls.split(",") if n.strip()]
     for n in names:

@@ -10,14 +10,20 @@
 #ifndef SCKPT_ATTENTION_TILE_KERNELS
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include <pybind11/stl.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #include "registry.h"
 #include "dtypes.h"
@@ -31,9 +37,12 @@ namespace {
 
 using Strides = std::array<int64_t, 3>;  // element strides of the (batch, head, row) dims
 
-// Query and key tile sizes (rows). Multiples of 16; set by attention_tiles for tuning.
-int64_t g_block_q = 64;
-int64_t g_block_k = 64;
+// Query and key tile sizes (rows), multiples of 16; attention_tiles changes them for tuning.
+// 128 x 64 and 128 x 128 ran fastest in bench/attention.py --table (fp32 causal D=64, S 512-4096,
+// 2 Zen 4 cores); 128 x 64 keeps the per-thread working set in L2 and wastes less on short documents.
+// Atomic: calls release the GIL, so another thread may retune while one reads.
+std::atomic<int64_t> g_block_q{128};
+std::atomic<int64_t> g_block_k{64};
 
 struct Problem {
   int64_t B, H, Hkv, Sq, Sk, D, G, Dp;  // G = H / Hkv query heads per kv head; Dp = D rounded to 16
@@ -110,12 +119,16 @@ struct Work {
 
 namespace generic {
 #define SCKPT_ATT_FMA 0
+#define SCKPT_ATT_VB 16
+#define SCKPT_ATT_VFMA(a, b, c) ((a) * (b) + (c))
 #define SCKPT_ATT_NR 16
 #define SCKPT_ATT_MR 4
 #define SCKPT_ATTENTION_TILE_KERNELS
 #include "attention.cpp"  // NOLINT: the tile kernels below, baseline ISA
 #undef SCKPT_ATTENTION_TILE_KERNELS
 #undef SCKPT_ATT_FMA
+#undef SCKPT_ATT_VB
+#undef SCKPT_ATT_VFMA
 #undef SCKPT_ATT_NR
 #undef SCKPT_ATT_MR
 }  // namespace generic
@@ -126,12 +139,16 @@ namespace generic {
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #define SCKPT_ATT_FMA 1
+#define SCKPT_ATT_VB 32
+#define SCKPT_ATT_VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define SCKPT_ATT_NR 16
 #define SCKPT_ATT_MR 4
 #define SCKPT_ATTENTION_TILE_KERNELS
 #include "attention.cpp"  // NOLINT: the same kernels for AVX2 + FMA
 #undef SCKPT_ATTENTION_TILE_KERNELS
 #undef SCKPT_ATT_FMA
+#undef SCKPT_ATT_VB
+#undef SCKPT_ATT_VFMA
 #undef SCKPT_ATT_NR
 #undef SCKPT_ATT_MR
 }  // namespace avx2
@@ -140,12 +157,16 @@ namespace avx2 {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace avx512 {
 #define SCKPT_ATT_FMA 1
+#define SCKPT_ATT_VB 64
+#define SCKPT_ATT_VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define SCKPT_ATT_NR 32
 #define SCKPT_ATT_MR 8
 #define SCKPT_ATTENTION_TILE_KERNELS
 #include "attention.cpp"  // NOLINT: the same kernels for AVX-512 (32 registers, 16 floats wide)
 #undef SCKPT_ATTENTION_TILE_KERNELS
 #undef SCKPT_ATT_FMA
+#undef SCKPT_ATT_VB
+#undef SCKPT_ATT_VFMA
 #undef SCKPT_ATT_NR
 #undef SCKPT_ATT_MR
 }  // namespace avx512
@@ -154,7 +175,8 @@ namespace avx512 {
 
 enum class Isa { generic, avx2, avx512 };
 
-Isa best_isa() {
+// The widest ISA this CPU runs.
+Isa native_isa() {
 #ifdef SCKPT_HAVE_X86_TILES
   static const Isa isa = [] {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -169,6 +191,14 @@ Isa best_isa() {
 #else
   return Isa::generic;
 #endif
+}
+
+// The ISA the kernels run: the native one unless narrowed by attention_use_isa (so tests check
+// every compiled variant on one machine).
+std::atomic<int> g_isa{-1};
+Isa best_isa() {
+  const int chosen = g_isa.load();
+  return chosen < 0 ? native_isa() : Isa(chosen);
 }
 
 #ifdef SCKPT_HAVE_X86_TILES
@@ -299,18 +329,32 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
 std::pair<int64_t, int64_t> attention_tiles(int64_t block_q, int64_t block_k) {
   for (int64_t b : {block_q, block_k})
     if (b < 16 || b > 512 || b % 16 != 0) throw std::invalid_argument("attention tiles must be multiples of 16 in [16, 512]");
-  const std::pair<int64_t, int64_t> old{g_block_q, g_block_k};
-  g_block_q = block_q;
-  g_block_k = block_k;
-  return old;
+  return {g_block_q.exchange(block_q), g_block_k.exchange(block_k)};
 }
 
-const char* attention_isa() {
-  switch (best_isa()) {
+const char* isa_name(Isa isa) {
+  switch (isa) {
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "generic";
   }
+}
+
+const char* attention_isa() { return isa_name(best_isa()); }
+
+// Runs the kernels compiled for `name` ("generic", "avx2", "avx512", or "native" to undo), which
+// this CPU must support; returns the previous choice.
+std::string attention_use_isa(const std::string& name) {
+  const std::string old = g_isa.load() < 0 ? "native" : isa_name(best_isa());
+  int chosen;
+  if (name == "native") chosen = -1;
+  else if (name == "generic") chosen = int(Isa::generic);
+  else if (name == "avx2") chosen = int(Isa::avx2);
+  else if (name == "avx512") chosen = int(Isa::avx512);
+  else throw std::invalid_argument("attention ISA must be native, generic, avx2 or avx512");
+  if (chosen > int(native_isa())) throw std::invalid_argument("this CPU does not run attention ISA " + name);
+  g_isa.store(chosen);
+  return old;
 }
 
 void register_attention(py::module_& m) {
@@ -326,6 +370,7 @@ void register_attention(py::module_& m) {
         py::arg("keep_scale"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::call_guard<py::gil_scoped_release>());
   m.def("attention_tiles", &attention_tiles, py::arg("block_q"), py::arg("block_k"));
   m.def("attention_isa", &attention_isa);
+  m.def("attention_use_isa", &attention_use_isa, py::arg("name"));
 }
 
 SCKPT_REGISTER(register_attention);
@@ -412,6 +457,44 @@ inline void gemm_block(const Acc* __restrict a, int64_t lda, const Acc* __restri
     for (int n = 0; n < NR; ++n) c[r * ldc + n] = acc[r][n];
 }
 
+// The float block with explicit vectors of this ISA's width: left to itself GCC vectorises the
+// 16-column AVX2 block along K with shuffles and spills, ten times slower than this.
+// Unaligned and may alias float rows; loads and stores through it are single vector moves.
+typedef float VecF __attribute__((vector_size(SCKPT_ATT_VB), aligned(4), may_alias));
+constexpr int kVecW = SCKPT_ATT_VB / 4;
+
+inline VecF load_vec(const float* p) { return *reinterpret_cast<const VecF*>(p); }
+inline void store_vec(float* p, VecF v) { *reinterpret_cast<VecF*>(p) = v; }
+inline VecF splat(float x) { return x - VecF{}; }  // x - 0 is exactly x: a pure broadcast
+
+template <int NR, bool TA>
+inline void gemm_block_vec(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t ldb, int64_t K,
+                           float* __restrict c, int64_t ldc, bool accumulate) {
+  constexpr int NV = NR / kVecW;
+  VecF acc[kMR][NV];
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load_vec(c + r * ldc + v * kVecW) : splat(0.0f);
+  for (int64_t kk = 0; kk < K; ++kk) {
+    VecF bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = load_vec(b + kk * ldb + v * kVecW);
+    for (int r = 0; r < kMR; ++r) {
+      const VecF av = splat(TA ? a[kk * lda + r] : a[r * lda + kk]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = SCKPT_ATT_VFMA(av, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) store_vec(c + r * ldc + v * kVecW, acc[r][v]);
+}
+
+template <class Acc, int NR, bool TA>
+inline void gemm_any(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, int64_t K, Acc* c, int64_t ldc,
+                     bool accumulate) {
+  if constexpr (std::is_same_v<Acc, float> && NR % kVecW == 0)
+    gemm_block_vec<NR, TA>(a, lda, b, ldb, K, c, ldc, accumulate);
+  else
+    gemm_block<Acc, NR, TA>(a, lda, b, ldb, K, c, ldc, accumulate);
+}
+
 // C[M x N] (+)= A[M x K] B[K x N], M a multiple of kMR, N of 16. Column panels of B outer, so a
 // K x NR panel of B stays in L1 while the row blocks of A stream past it.
 template <bool TA = false, class Acc>
@@ -421,10 +504,10 @@ void gemm(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, int64_t M, int64
   int64_t n = 0;
   for (; n + kNR <= N; n += kNR)
     for (int64_t i = 0; i < M; i += kMR)
-      gemm_block<Acc, kNR, TA>(arow(i), lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
+      gemm_any<Acc, kNR, TA>(arow(i), lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
   for (; n < N; n += 16)
     for (int64_t i = 0; i < M; i += kMR)
-      gemm_block<Acc, 16, TA>(arow(i), lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
+      gemm_any<Acc, 16, TA>(arow(i), lda, b + n, ldb, K, c + i * ldc + n, ldc, accumulate);
 }
 
 // out[r, 0:Dp] = rows r < n of x (row stride `stride`), zero past D and for rows n..nr.
@@ -534,6 +617,15 @@ inline bool query_cols(const Problem& p, int64_t bh, int64_t i0, int64_t n, int6
   return any;
 }
 
+// Does every query column c < n attend every key in [j0, j1) (no padding mask)? Then the tile
+// needs no masking: columns past n hold garbage that is never stored.
+inline bool tile_full(const Problem& p, const int64_t* lo, const int64_t* hi, int64_t n, int64_t j0, int64_t j1) {
+  if (p.pad != nullptr) return false;
+  bool full = true;
+  for (int64_t c = 0; c < n; ++c) full &= lo[c] <= j0 && hi[c] >= j1;
+  return full;
+}
+
 // Does any of the query columns attend a key in [j0, j1)?
 inline bool tile_attended(const int64_t* lo, const int64_t* hi, int64_t n, int64_t j0, int64_t j1) {
   bool any = false;
@@ -577,15 +669,26 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
       tmax[c] = neg_inf;
       lsum[c] = Acc(0);
     }
-    for (int64_t r = 0; r < nk; ++r) {
-      Acc* s = St + r * N;
-      const int64_t j = j0 + r;
-      const bool pj = padv[r] != 0;
-      for (int64_t c = 0; c < N; ++c) {
-        const bool on = pj & (j >= lo[c]) & (j < hi[c]);
-        seen[c] |= uint8_t(on);
-        s[c] = or_neg_inf(on, s[c] * scale);
-        tmax[c] = __builtin_isgreater(s[c], tmax[c]) ? s[c] : tmax[c];
+    if (tile_full(p, lo, hi, n, j0, j0 + nk)) {
+      for (int64_t c = 0; c < n; ++c) seen[c] = 1;
+      for (int64_t r = 0; r < nk; ++r) {
+        Acc* s = St + r * N;
+        for (int64_t c = 0; c < N; ++c) {
+          s[c] *= scale;
+          tmax[c] = __builtin_isgreater(s[c], tmax[c]) ? s[c] : tmax[c];
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < nk; ++r) {
+        Acc* s = St + r * N;
+        const int64_t j = j0 + r;
+        const bool pj = padv[r] != 0;
+        for (int64_t c = 0; c < N; ++c) {
+          const bool on = pj & (j >= lo[c]) & (j < hi[c]);
+          seen[c] |= uint8_t(on);
+          s[c] = or_neg_inf(on, s[c] * scale);
+          tmax[c] = __builtin_isgreater(s[c], tmax[c]) ? s[c] : tmax[c];
+        }
       }
     }
     for (int64_t c = 0; c < N; ++c) {
@@ -682,16 +785,23 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
     gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
     if (p.t16) keep_cols(p, bh, i0, n, j0, nk, lo, hi, N, keep);
-    for (int64_t r = 0; r < nk; ++r) {
-      Acc *s = St + r * N, *dp = dPt + r * N;
-      const int64_t j = j0 + r;
-      const bool pj = padv[r] != 0;
-      const Acc* kr = keep + r * N;
-      for (int64_t c = 0; c < N; ++c) {
-        const bool on = pj & (j >= lo[c]) & (j < hi[c]);
-        const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
-        const Acc kf = p.t16 ? kr[c] : Acc(1);
-        dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
+    if (!p.t16 && tile_full(p, lo, hi, n, j0, j0 + nk)) {
+      for (int64_t r = 0; r < nk; ++r) {
+        Acc *s = St + r * N, *dp = dPt + r * N;
+        for (int64_t c = 0; c < N; ++c) dp[c] = exp_nan(s[c] * scale - lse[c]) * (dp[c] - delta[c]);
+      }
+    } else {
+      for (int64_t r = 0; r < nk; ++r) {
+        Acc *s = St + r * N, *dp = dPt + r * N;
+        const int64_t j = j0 + r;
+        const bool pj = padv[r] != 0;
+        const Acc* kr = keep + r * N;
+        for (int64_t c = 0; c < N; ++c) {
+          const bool on = pj & (j >= lo[c]) & (j < hi[c]);
+          const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
+          const Acc kf = p.t16 ? kr[c] : Acc(1);
+          dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
+        }
       }
     }
     gemm<true>(dPt, N, Kn, Dp, M, Dp, nk, dQ, Dp, true);  // dQ += dS K, dS read from dS^T
@@ -751,6 +861,14 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
         if (a >= e || lr == inf) {
           std::memset(static_cast<void*>(s), 0, size_t(NK) * sizeof(Acc));
           std::memset(static_cast<void*>(dp), 0, size_t(NK) * sizeof(Acc));
+          continue;
+        }
+        if (!p.t16 && p.pad == nullptr && a == 0 && e == nk) {  // the row attends the whole tile
+          for (int64_t c = 0; c < NK; ++c) {  // columns past nk feed only rows never stored
+            const Acc pr = exp_nan(s[c] * scale - lr);
+            dp[c] = pr * (dp[c] - dr);
+            s[c] = pr;
+          }
           continue;
         }
         if (p.t16) {

@@ -311,3 +311,56 @@ def test_float64_inputs():
     torch.testing.assert_close(ours[0], ref[0], rtol=1e-12, atol=1e-12)
     for x, r in zip(ours[1:], ref[1:]):  # backward rebuilds P from the fp32 lse
         torch.testing.assert_close(x, r, rtol=1e-6, atol=1e-6)
+
+
+# The public function runs these kernels on CPU: same bits as the direct calls above.
+PUBLIC = [
+    dict(B=2, H=4, Hkv=2, S=77, causal=True, window=5, p=0.17, pad=True),
+    dict(B=1, H=4, Hkv=1, S=113, causal=False, window=0, p=0.0, pad=False),
+    dict(B=1, H=4, Hkv=2, S=96, causal=True, window=9, p=0.17, pad=False, cu=[0, 1, 40, 40, 96]),
+]
+
+
+@pytest.mark.parametrize("case", PUBLIC, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_public_attention_is_the_kernel(case):
+    import selective_ckpt
+
+    B, H, Hkv, S, D = case["B"], case["H"], case["Hkv"], case["S"], 64
+    q, k, v = make(B, H, Hkv, S, S, D, torch.bfloat16, packed=True)
+    mask = None
+    if case["pad"]:
+        mask = torch.rand(B, S, generator=torch.Generator().manual_seed(1)) > 0.3
+        mask[:, 0] = True
+    cu = case.get("cu")
+    grad = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    public = with_grads(lambda a, b, c: selective_ckpt.attention(
+        a, b, c, causal=case["causal"], dropout_p=case["p"], key_padding_mask=mask, seed=21,
+        sliding_window=case["window"] or None, cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32)),
+        q, k, v, grad)
+    kw = dict(mask=mask, cu=cu, causal=case["causal"], window=case["window"], p=case["p"], seed=21)
+    o, lse = kernel_forward(q, k, v, **kw)
+    direct = (o, *kernel_backward(grad, q, k, v, o, lse, **kw))
+    for x, y in zip(public, direct):
+        assert torch.equal(x, y)
+    allow = allowed(B, S, S, mask, cu, case["causal"], case["window"])
+    ref = with_grads(lambda a, b, c: reference(a, b, c, allow, D**-0.5, case["p"], 21), q.double(), k.double(),
+                     v.double(), grad)
+    same = with_grads(lambda a, b, c: reference(a, b, c, allow, D**-0.5, case["p"], 21), q, k, v, grad)
+    for name, x, e, r, factor in zip(("o", "dq", "dk", "dv"), public, same, ref, (2, 3, 3, 3)):
+        assert_within_rule(x, e, r, factor, name=name)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_every_compiled_isa(isa):
+    """The kernels are compiled per ISA (4- and 8-row register blocks); each one meets the rule."""
+    try:
+        old = _C.attention_use_isa(isa)
+    except ValueError:
+        pytest.skip(f"this CPU does not run {isa}")
+    try:
+        assert _C.attention_isa() == isa
+        check(2, 4, 2, 113, 113, 80, torch.bfloat16, True, 0, True, False, p=0.17)
+        check(1, 2, 1, 77, 45, 3, torch.float32, False, 9, True, True, p=0.0)
+        check(1, 4, 2, 96, 96, 64, torch.float16, True, 5, cu=[0, 1, 40, 40, 96], p=0.17)
+    finally:
+        _C.attention_use_isa(old)
