@@ -200,10 +200,5 @@ def gelu_mlp(x, w1, b1, w2, b2, dropout_p=0.0, approximate="none", seed=None, *,
     if not isinstance(store_activation, bool):
         raise TypeError(f"store_activation must be a bool, got {type(store_activation).__name__}")
     dropout_p = float(dropout_p)
-    if dropout_p:
-        seed = rng.seed_arg(seed, x.device)
-    else:
-        if seed is not None:
-            rng.seed_arg(seed)  # validated all the same
-        seed = None
+    seed = rng.site_seed(dropout_p, seed, x.device)
     return _GeluMLP.apply(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation)

@@ -244,10 +244,5 @@ def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, dro
     if not isinstance(store_product, bool):
         raise TypeError(f"store_product must be a bool, got {type(store_product).__name__}")
     dropout_p = float(dropout_p)
-    if dropout_p:
-        seed = rng.seed_arg(seed, x.device)
-    else:
-        if seed is not None:
-            rng.seed_arg(seed)  # validated all the same
-        seed = None
+    seed = rng.site_seed(dropout_p, seed, x.device)
     return _GatedMLP.apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down, dropout_p, activation, seed, store_product)
