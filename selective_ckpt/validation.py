@@ -38,6 +38,16 @@ def check_norm_args(x, weight, bias, eps):
     check_positive_float(eps, "eps")
 
 
+def check_choice(value, name, choices):
+    """choices[value] for a str naming one of `choices` (a dict name -> kernel code)."""
+    names = " or ".join(map(repr, choices))
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, {names}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be {names}, got {value!r}")
+    return choices[value]
+
+
 def check_bool(value, name):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

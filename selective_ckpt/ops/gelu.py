@@ -15,7 +15,7 @@ import torch
 
 from .. import backend, rng
 from ..double_backward import first_order_only
-from ..validation import check_floating
+from ..validation import check_choice, check_floating
 from .dropout import dropout_op
 
 __all__ = ["gelu_mlp", "mlp_forward", "mlp_backward", "check_mlp_args"]
@@ -25,11 +25,7 @@ GELU_APPROXIMATIONS = {"none": 0, "tanh": 1}
 
 def gelu_approximation_code(approximate) -> int:
     """0 for "none" (erf GELU), 1 for "tanh" (GPT-2's gelu_new); anything else is refused."""
-    if not isinstance(approximate, str):
-        raise TypeError(f"approximate must be a str, 'none' or 'tanh', got {type(approximate).__name__}")
-    if approximate not in GELU_APPROXIMATIONS:
-        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    return GELU_APPROXIMATIONS[approximate]
+    return check_choice(approximate, "approximate", GELU_APPROXIMATIONS)
 
 
 @torch.library.custom_op("selective_ckpt::gelu", mutates_args=())

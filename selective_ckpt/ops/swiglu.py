@@ -17,7 +17,7 @@ import torch
 
 from .. import backend, rng
 from ..double_backward import first_order_only
-from ..validation import check_floating
+from ..validation import check_choice, check_floating
 from .dropout import dropout_op
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_product", "swiglu_mlp", "check_gated_mlp_args"]
@@ -27,11 +27,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 def activation_code(activation) -> int:
     """0 for "silu" (SwiGLU), 1 for "gelu_tanh" (GeGLU); anything else is refused."""
-    if not isinstance(activation, str):
-        raise TypeError(f"activation must be a str, 'silu' or 'gelu_tanh', got {type(activation).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
-    return ACTIVATIONS[activation]
+    return check_choice(activation, "activation", ACTIVATIONS)
 
 
 def _check_pair(gate, up):
