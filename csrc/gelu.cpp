@@ -20,6 +20,7 @@
 #include "dtypes.h"
 #include "fastmath.h"
 #include "activations.h"
+#include "chunks.h"
 
 namespace py = pybind11;
 
@@ -180,19 +181,6 @@ void gelu_backward_span(T* g, const T* h, int64_t n, bool tanh_form) {
       gelu_grad_floats(gb, hb, len, tanh_form);
       from_floats(gb, g + b, len);
     }
-  }
-}
-
-// Threads take fixed chunks; each element's result does not depend on the split.
-constexpr int64_t kChunk = 16384;
-
-template <class F>
-void for_chunks(int64_t n, F&& f) {
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) if (chunks > 1)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t begin = c * kChunk;
-    f(begin, (n - begin) < kChunk ? n - begin : kChunk);
   }
 }
 

@@ -12,6 +12,7 @@
 #include "registry.h"
 #include "dtypes.h"
 #include "activations.h"
+#include "chunks.h"
 
 namespace py = pybind11;
 
@@ -99,19 +100,6 @@ void backward_span(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n,
       store_block(dgb, dg + b, len);
       store_block(dub, du + b, len);
     }
-  }
-}
-
-// Threads take fixed chunks; each element's result does not depend on the split.
-constexpr int64_t kChunk = 16384;
-
-template <class F>
-void for_chunks(int64_t n, F&& f) {
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) if (chunks > 1)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t begin = c * kChunk;
-    f(begin, (n - begin) < kChunk ? n - begin : kChunk);
   }
 }
 

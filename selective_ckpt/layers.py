@@ -302,16 +302,20 @@ class SelectiveDecoderLayer(nn.Module):
 
 
 def set_recompute(model, mode_or_list, every=None):
-    """Sets `recompute` on every SelectiveDecoderLayer of `model` (in module order); returns the modes.
+    """Sets `recompute` on every SelectiveDecoderLayer and converted Hugging Face decoder layer of
+    `model` (in module order); returns the modes.
 
     - a mode ("selective", "none", "full"): every layer;
     - a list of modes, one per layer (what selective_ckpt.memory's planner returns);
     - `every=k` with a mode: "full" on layers 0, k, 2k, ... and that mode on the rest (segment
       checkpointing: a full layer every k keeps only its input).
     """
-    layers = [m for m in model.modules() if isinstance(m, SelectiveDecoderLayer)]
+    # Converted Hugging Face decoder layers carry their mode in `_selective_ckpt` (models/common.py).
+    layers = [m if isinstance(m, SelectiveDecoderLayer) else m._selective_ckpt for m in model.modules()
+              if isinstance(m, SelectiveDecoderLayer) or hasattr(m, "_selective_ckpt")]
     if not layers:
-        raise ValueError(f"{type(model).__name__} contains no SelectiveDecoderLayer (convert it first)")
+        raise ValueError(f"{type(model).__name__} contains no SelectiveDecoderLayer or converted decoder layer "
+                         "(convert it first)")
     if isinstance(mode_or_list, str):
         check_mode(mode_or_list)
         modes = [mode_or_list] * len(layers)

@@ -103,6 +103,17 @@ def seed_arg(seed, device=None) -> torch.Tensor:
                         device=device)
 
 
+def site_seed(dropout_p, seed, device):
+    """The seed tensor of one dropout site at a public entry: drawn or packed on `device` when
+    dropout_p > 0; with dropout off None, after checking a seed that was given all the same (no
+    generator is touched, so turning dropout off does not shift later draws)."""
+    if dropout_p > 0:
+        return seed_arg(seed, device)
+    if seed is not None:
+        seed_arg(seed)
+    return None
+
+
 def seed_from_tensor(seed: torch.Tensor) -> int:
     """The Python int in [0, 2**64) a seed tensor holds (reads it back from its device)."""
     lo, hi = (w & 0xFFFFFFFF for w in seed.tolist())

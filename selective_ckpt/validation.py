@@ -21,6 +21,33 @@ def check_floating(t, name):
         raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
 
 
+def check_norm_args(x, weight, bias, eps):
+    """Operands of a norm over x's last dim: weight (and bias, if any) of that length on x's device."""
+    check_floating(x, "x")
+    n = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or n == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {list(x.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        check_floating(t, name)
+        if t.shape != (n,):
+            raise ValueError(f"{name} must have shape [{n}] (x's last dim), got {list(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
+    check_positive_float(eps, "eps")
+
+
+def check_choice(value, name, choices):
+    """choices[value] for a str naming one of `choices` (a dict name -> kernel code)."""
+    names = " or ".join(map(repr, choices))
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, {names}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be {names}, got {value!r}")
+    return choices[value]
+
+
 def check_bool(value, name):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

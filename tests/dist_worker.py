@@ -1,11 +1,13 @@
 """Run by tests/test_distributed.py under torchrun (2 processes, gloo, CPU).
 
-For recompute "selective" and "full", a stack of SelectiveDecoderLayers with dropout on is
-trained one step under DDP and under FSDP2 (fully_shard per layer). Every rank also computes, in
-one process, the gradients averaged over both ranks' shards with the same per-rank seeds; the
-wrapped model's gradients must equal them.
+For recompute "selective" and "full", a stack of SelectiveDecoderLayers with dropout on, and a
+tiny Hugging Face Llama converted by selective_ckpt.convert (attention dropout on), are trained one
+step under DDP and under FSDP2 (fully_shard per decoder layer). Every rank also computes, in one
+process, the gradients averaged over both ranks' shards with the same per-rank seeds; the wrapped
+model's gradients must equal them.
 """
 
+import functools
 import os
 import sys
 
@@ -14,9 +16,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from selective_ckpt import SelectiveDecoderLayer
+from selective_ckpt import SelectiveDecoderLayer, convert
 
 E, H, S, PER_RANK = 32, 2, 6, 2
+VOCAB = 53
 
 
 def build(mode):
@@ -25,16 +28,44 @@ def build(mode):
                                  for _ in range(2)])
 
 
+def build_llama(mode):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=E, intermediate_size=56, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         attention_dropout=0.15)
+    return convert(LlamaForCausalLM(config).train(), recompute=mode)
+
+
+def llama_step(model, ids, dy, rank):
+    torch.manual_seed(100 + rank)  # each rank's attention dropout seeds
+    (model(input_ids=ids).logits * dy).sum().backward()
+
+
 def step(model, x, dy, rank):
     torch.manual_seed(100 + rank)  # each rank's dropout seeds
     (model(x) * dy).sum().backward()
 
 
-def reference_grads(mode, xs, dys, world):
-    model = build(mode)
+def reference_grads(model, run, xs, dys, world):
     for r in range(world):
-        step(model, xs[r], dys[r], r)
+        run(model, xs[r], dys[r], r)
     return {n: p.grad / world for n, p in model.named_parameters()}
+
+
+def check_wrapped(name, build_model, layers_of, run, xs, dys, rank, world):
+    """One step under DDP and under FSDP2 (per decoder layer, then the root) against one process."""
+    ref = reference_grads(build_model(), run, xs, dys, world)
+    ddp = DistributedDataParallel(build_model())
+    run(ddp, xs[rank], dys[rank], rank)
+    check(f"DDP/{name}", ddp, ref)
+    model = build_model()
+    for layer in layers_of(model):
+        fully_shard(layer)
+    fully_shard(model)
+    run(model, xs[rank], dys[rank], rank)
+    check(f"FSDP2/{name}", model, ref)
 
 
 def check(name, model, ref):
@@ -52,17 +83,12 @@ def main():
     g = torch.Generator().manual_seed(1)
     xs = torch.randn(world, PER_RANK, S, E, generator=g)
     dys = torch.randn(world, PER_RANK, S, E, generator=g)
+    ids = torch.randint(0, VOCAB, (world, PER_RANK, S), generator=g)
+    dlogits = torch.randn(world, PER_RANK, S, VOCAB, generator=g)
     for mode in ("selective", "full"):
-        ref = reference_grads(mode, xs, dys, world)
-        ddp = DistributedDataParallel(build(mode))
-        step(ddp, xs[rank], dys[rank], rank)
-        check(f"DDP/{mode}", ddp, ref)
-        model = build(mode)
-        for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
-        step(model, xs[rank], dys[rank], rank)
-        check(f"FSDP2/{mode}", model, ref)
+        check_wrapped(mode, functools.partial(build, mode), list, step, xs, dys, rank, world)
+        check_wrapped(f"llama/{mode}", functools.partial(build_llama, mode), lambda m: m.model.layers, llama_step, ids,
+                      dlogits, rank, world)
         if rank == 0:
             print(f"ok {mode}", flush=True)
     dist.barrier()

@@ -79,12 +79,16 @@ def _layers_of(model_or_shape, num_layers):
     if isinstance(model_or_shape, nn.Module):
         from ..layers import SelectiveDecoderLayer
 
-        layers = [m for m in model_or_shape.modules() if isinstance(m, SelectiveDecoderLayer)]
+        # In module order, as set_recompute walks them: our layers and converted Hugging Face decoder
+        # layers (their LayerRecompute, `_selective_ckpt`, reads the shape from the model's config).
+        layers = [m for m in model_or_shape.modules()
+                  if isinstance(m, SelectiveDecoderLayer) or hasattr(m, "_selective_ckpt")]
         if not layers:
-            raise ValueError("model_or_shape holds no SelectiveDecoderLayer")
+            raise ValueError("model_or_shape holds no SelectiveDecoderLayer or converted decoder layer")
         if num_layers is not None and num_layers != len(layers):
-            raise ValueError(f"num_layers={num_layers} but the model holds {len(layers)} SelectiveDecoderLayers")
-        return [_layer_shape(m) for m in layers]
+            raise ValueError(f"num_layers={num_layers} but the model holds {len(layers)} decoder layers")
+        return [_layer_shape(m) if isinstance(m, SelectiveDecoderLayer) else LayerShape(**m._selective_ckpt.shape())
+                for m in layers]
     if isinstance(model_or_shape, LayerShape):
         shape = model_or_shape
     elif isinstance(model_or_shape, dict):
@@ -120,10 +124,10 @@ def _layer_figures(shape, batch, seq_len):
 def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes=MODES):
     """Recompute mode per layer fitting `budget_bytes` of activations with the least recompute cost.
 
-    model_or_shape: a model holding SelectiveDecoderLayers (their shapes and dtype are read from
-    it), or a LayerShape / dict(hidden_dim, num_heads, mlp_ratio=4, dtype=float32, causal=True,
-    num_layers, and for Llama-style layers num_kv_heads, ffn_dim, norm, activation, sliding_window)
-    for a model not built yet.
+    model_or_shape: a model holding SelectiveDecoderLayers or a converted Hugging Face model (the
+    layers' shapes and dtype are read from it), or a LayerShape / dict(hidden_dim, num_heads,
+    mlp_ratio=4, dtype=float32, causal=True, num_layers, and for Llama-style layers num_kv_heads,
+    ffn_dim, norm, activation, sliding_window) for a model not built yet.
 
     Memory model: the activations kept for backward (`estimate` per layer and mode, summed over
     layers), plus, when any layer is "full", the largest such layer's re-run working set: its

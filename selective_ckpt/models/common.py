@@ -1,6 +1,14 @@
-"""What every model integration shares: the refusal type and parameter copying."""
+"""What every model integration shares: the refusal type, parameter copying, per-layer recompute modes."""
+
+import contextlib
+import functools
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from .. import recompute
+from ..validation import check_mode
+from .patches import PATCHED, patch_forward
 
 
 class ConversionError(ValueError):
@@ -17,3 +25,99 @@ def factory(module):
 def copy_param(dst, src, transpose=False):
     dst.copy_(src.t() if transpose else src)
     dst.requires_grad_(src.requires_grad)
+
+
+STATE = "_selective_ckpt"  # attribute of a converted decoder layer holding its LayerRecompute
+
+
+class LayerRecompute:
+    """The recompute mode of a converted Hugging Face decoder layer (what set_recompute sets).
+
+    "selective": norm and activation outputs are dropped and rebuilt (recompute.scope around the
+    layer); "none": they are kept; "full": transformers' own gradient checkpointing of the layer
+    (so `model.gradient_checkpointing_enable()` reads as "full" on every layer).
+    """
+
+    def __init__(self, layer, mode, shape_of=None):
+        self.layer = layer
+        self.recompute = mode
+        self._shape_of = shape_of
+
+    def shape(self):
+        """The layer's LayerShape fields (memory.planner), its parameters' dtype included."""
+        if self._shape_of is None:
+            raise ValueError(f"{type(self.layer).__name__}: the shape of this converted layer is not known")
+        return {**self._shape_of(self.layer), "dtype": next(self.layer.parameters()).dtype}
+
+    @property
+    def recompute(self):
+        return "full" if getattr(self.layer, "gradient_checkpointing", False) else self._mode
+
+    @recompute.setter
+    def recompute(self, mode):
+        check_mode(mode)
+        layer = self.layer
+        if mode == "full":
+            if getattr(layer, "_gradient_checkpointing_func", None) is None:
+                layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+            layer.gradient_checkpointing = True
+            self._mode = "selective"
+        else:
+            layer.gradient_checkpointing = False
+            self._mode = mode
+
+
+@contextlib.contextmanager
+def _attention_reads_own_kv(caches):
+    """While active, a cache update that holds nothing but this call's k, v hands back k, v themselves.
+
+    A training forward with use_cache=True (transformers' default) fills a kv cache; its update
+    returns concatenated copies, and attention would save those for backward on top of the
+    layer's own k, v (GPT-2's are views of c_attn's output, which q keeps alive anyway: 2h
+    elements per token more). When the result has the input's shape the cache held nothing
+    before, so the copies equal k, v bit for bit: attention gets the originals, the cache keeps
+    its copies, and what a layer keeps is the floor again.
+    """
+    patched = []
+    for cache in caches:
+        update = cache.update
+
+        def own(key_states, value_states, *a, _update=update, **kw):
+            k, v = _update(key_states, value_states, *a, **kw)
+            if k.shape == key_states.shape and v.shape == value_states.shape:
+                return key_states, value_states
+            return k, v
+
+        cache.update = own
+        patched.append(cache)
+    try:
+        yield
+    finally:
+        for cache in patched:
+            del cache.update  # the instance attribute; the class's method shows again
+
+
+def _decoder_layer_forward(self, *args, **kwargs):
+    mode = getattr(self, STATE).recompute
+    grad = torch.is_grad_enabled()
+    caches = []
+    if grad:
+        from transformers.cache_utils import Cache
+        caches = [c for c in (*args, *kwargs.values()) if isinstance(c, Cache) and "update" not in vars(c)]
+    if mode == "full" and self.training and grad:
+        # The checkpointed re-run would append to a kv cache twice (transformers drops only a
+        # keyword `cache`; GPT-2 passes it by position): a checkpointed layer fills none.
+        args = tuple(None if isinstance(a, Cache) else a for a in args)
+        kwargs = {k: (None if isinstance(v, Cache) else v) for k, v in kwargs.items()}
+        kwargs["use_cache"] = False
+        caches = []
+    with recompute.scope(mode == "selective"), _attention_reads_own_kv(caches):
+        return getattr(self, PATCHED)(*args, **kwargs)
+
+
+def convert_decoder_layer(layer, mode, shape_of=None):
+    """Wraps the layer's forward in a recompute scope chosen by its mode; modules and parameters stay."""
+    if not hasattr(type(layer), "gradient_checkpointing"):
+        raise ConversionError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer")
+    setattr(layer, STATE, LayerRecompute(layer, mode, shape_of))
+    patch_forward(layer, _decoder_layer_forward)

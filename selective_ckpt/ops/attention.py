@@ -213,11 +213,6 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     window = _check_window(sliding_window)
     cu_seqlens = _check_cu_seqlens(cu_seqlens, q, k, mask)
     scale = _check_scale(softmax_scale, q.shape[-1])
-    if dropout_p > 0:
-        seed = rng.seed_arg(seed, q.device)
-    else:
-        if seed is not None:
-            rng.seed_arg(seed)  # validated all the same
-        seed = None  # no mask is drawn; torch's generator is left untouched
+    seed = rng.site_seed(dropout_p, seed, q.device)
     o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed)
     return heads_view(o)

@@ -15,7 +15,7 @@ import torch
 
 from .. import backend, rng
 from ..double_backward import first_order_only
-from ..validation import check_floating
+from ..validation import check_choice, check_floating
 from .dropout import dropout_op
 
 __all__ = ["gelu_mlp", "mlp_forward", "mlp_backward", "check_mlp_args"]
@@ -25,11 +25,7 @@ GELU_APPROXIMATIONS = {"none": 0, "tanh": 1}
 
 def gelu_approximation_code(approximate) -> int:
     """0 for "none" (erf GELU), 1 for "tanh" (GPT-2's gelu_new); anything else is refused."""
-    if not isinstance(approximate, str):
-        raise TypeError(f"approximate must be a str, 'none' or 'tanh', got {type(approximate).__name__}")
-    if approximate not in GELU_APPROXIMATIONS:
-        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    return GELU_APPROXIMATIONS[approximate]
+    return check_choice(approximate, "approximate", GELU_APPROXIMATIONS)
 
 
 @torch.library.custom_op("selective_ckpt::gelu", mutates_args=())
@@ -200,10 +196,5 @@ def gelu_mlp(x, w1, b1, w2, b2, dropout_p=0.0, approximate="none", seed=None, *,
     if not isinstance(store_activation, bool):
         raise TypeError(f"store_activation must be a bool, got {type(store_activation).__name__}")
     dropout_p = float(dropout_p)
-    if dropout_p:
-        seed = rng.seed_arg(seed, x.device)
-    else:
-        if seed is not None:
-            rng.seed_arg(seed)  # validated all the same
-        seed = None
+    seed = rng.site_seed(dropout_p, seed, x.device)
     return _GeluMLP.apply(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation)

@@ -11,7 +11,7 @@ import torch
 
 from .. import backend
 from ..double_backward import first_order_only
-from ..validation import check_floating
+from ..validation import check_norm_args
 
 
 def stat_dtype(dtype):
@@ -119,28 +119,12 @@ def _backward(ctx, gy, gmean, grstd):
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def check_layer_norm_args(x, weight, bias, eps):
-    check_floating(x, "x")
-    check_floating(weight, "weight")
-    n = x.shape[-1] if x.dim() else 0
-    if x.dim() == 0 or n == 0:
-        raise ValueError(f"x must have a non-empty last dimension, got shape {list(x.shape)}")
-    if weight.shape != (n,):
-        raise ValueError(f"weight must have shape [{n}] (x's last dim), got {list(weight.shape)}")
-    if bias is not None:
-        check_floating(bias, "bias")
-        if bias.shape != (n,):
-            raise ValueError(f"bias must have shape [{n}] (x's last dim), got {list(bias.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
-
-
 def layer_norm(x, weight, bias=None, eps=1e-5):
     """LayerNorm over x's last dim with a fused kernel; weight/bias are cast to x's dtype.
 
     Autograd keeps x, mean and rstd (float32 per row; float64 for float64 x), not the output.
     """
-    check_layer_norm_args(x, weight, bias, eps)
+    check_norm_args(x, weight, bias, eps)
     weight = weight.to(x.dtype)
     bias = bias.to(x.dtype) if bias is not None else None
     y, _, _ = layer_norm_fwd(x, weight, bias, float(eps))

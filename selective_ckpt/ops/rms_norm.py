@@ -12,7 +12,7 @@ import torch
 
 from .. import backend
 from ..double_backward import first_order_only
-from ..validation import check_floating
+from ..validation import check_norm_args
 from .layer_norm import stat_dtype
 
 
@@ -107,17 +107,7 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_rms_norm_args(x, weight, eps, offset):
-    check_floating(x, "x")
-    check_floating(weight, "weight")
-    n = x.shape[-1] if x.dim() else 0
-    if x.dim() == 0 or n == 0:
-        raise ValueError(f"x must have a non-empty last dimension, got shape {list(x.shape)}")
-    if weight.shape != (n,):
-        raise ValueError(f"weight must have shape [{n}] (x's last dim), got {list(weight.shape)}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, expected x's device {x.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    check_norm_args(x, weight, None, eps)
     if isinstance(offset, bool) or not isinstance(offset, (int, float)):
         raise TypeError(f"offset must be a float (0.0 for Llama's w * x_hat, 1.0 for Gemma's (1 + w) * x_hat), "
                         f"got {type(offset).__name__}")

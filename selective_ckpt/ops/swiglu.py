@@ -17,7 +17,7 @@ import torch
 
 from .. import backend, rng
 from ..double_backward import first_order_only
-from ..validation import check_floating
+from ..validation import check_choice, check_floating
 from .dropout import dropout_op
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_product", "swiglu_mlp", "check_gated_mlp_args"]
@@ -27,11 +27,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 def activation_code(activation) -> int:
     """0 for "silu" (SwiGLU), 1 for "gelu_tanh" (GeGLU); anything else is refused."""
-    if not isinstance(activation, str):
-        raise TypeError(f"activation must be a str, 'silu' or 'gelu_tanh', got {type(activation).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
-    return ACTIVATIONS[activation]
+    return check_choice(activation, "activation", ACTIVATIONS)
 
 
 def _check_pair(gate, up):
@@ -244,10 +240,5 @@ def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, dro
     if not isinstance(store_product, bool):
         raise TypeError(f"store_product must be a bool, got {type(store_product).__name__}")
     dropout_p = float(dropout_p)
-    if dropout_p:
-        seed = rng.seed_arg(seed, x.device)
-    else:
-        if seed is not None:
-            rng.seed_arg(seed)  # validated all the same
-        seed = None
+    seed = rng.site_seed(dropout_p, seed, x.device)
     return _GatedMLP.apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down, dropout_p, activation, seed, store_product)

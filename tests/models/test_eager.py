@@ -37,8 +37,8 @@ def test_eager_layers_convert_within_rule(causal):
     x, dy = torch.randn(2, 11, 32), torch.randn(2, 11, 32)
     mask = torch.ones(2, 11, dtype=torch.bool)
     mask[1, 8:] = False
-    converted, replaced = convert(copy.deepcopy(model), recompute="full")
-    assert replaced == ["layers.0", "layers.1"] and converted.layers[0].recompute == "full"
+    converted = convert(copy.deepcopy(model), recompute="full")
+    assert all(isinstance(layer, SelectiveDecoderLayer) and layer.recompute == "full" for layer in converted.layers)
 
     def run(m, dtype):
         m = m.to(dtype)
@@ -58,8 +58,8 @@ def test_eager_layers_convert_within_rule(causal):
 
 def test_eager_root_and_errors():
     layer = EagerDecoderLayer(32, 2, dropout=0.1, attn_dropout=0.05)
-    new, replaced = convert(layer)
-    assert replaced == [""] and isinstance(new, SelectiveDecoderLayer)
+    new = convert(layer)
+    assert isinstance(new, SelectiveDecoderLayer)
     assert (new.dropout, new.attn_dropout, new.causal) == (0.1, 0.05, True)
     bad = eager_stack()
     bad[1].mlp[1] = torch.nn.ReLU()

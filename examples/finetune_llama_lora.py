@@ -1,0 +1,177 @@
+"""Fine-tune a tiny Llama with PEFT LoRA under Hugging Face's Trainer, with and without selective_ckpt, on CPU.
+
+The model is built from a config in code (nothing is downloaded) and reads bytes (vocabulary 256)
+of text the repository carries: the Zen of Python and README.md. The same run is made twice from
+the same seeds: once as transformers builds it (SDPA attention), once converted by the one line
+
+    model = selective_ckpt.convert(model)
+
+It prints both loss curves and the activation bytes each decoder layer keeps for backward
+(profiler allocation deltas of one training forward, all layers minus one layer), next to the
+floor memory.estimate gives for the layer's shape.
+
+    python examples/finetune_llama_lora.py               # 40 steps each
+    python examples/finetune_llama_lora.py --steps 3     # a quick check
+"""
+
+import argparse
+import codecs
+import contextlib
+import gc
+import io
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import selective_ckpt  # noqa: E402
+from selective_ckpt import memory  # noqa: E402
+
+
+def load_bytes():
+    with contextlib.redirect_stdout(io.StringIO()):  # importing it prints the Zen
+        import this  # the Zen of Python ships rot13-encoded
+    text = codecs.decode(this.s, "rot13") + "\n"
+    readme = ROOT / "README.md"
+    if readme.is_file():
+        text += readme.read_text(errors="ignore")
+    return torch.tensor(list(text.encode()), dtype=torch.long)
+
+
+class Chunks(torch.utils.data.Dataset):
+    """Fixed-length windows of the byte stream; labels are the inputs (the model shifts them)."""
+
+    def __init__(self, data, seq, count, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.starts = torch.randint(0, len(data) - seq, (count,), generator=g).tolist()
+        self.data, self.seq = data, seq
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        ids = self.data[self.starts[i]:self.starts[i] + self.seq]
+        return {"input_ids": ids, "labels": ids}
+
+
+def build(args, converted):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.ffn,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq, use_cache=False,
+                         attn_implementation="sdpa")
+    model = LlamaForCausalLM(config)
+    if converted:
+        model = selective_ckpt.convert(model)  # the one line
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                      modules_to_save=["embed_tokens", "lm_head"], task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+@contextlib.contextmanager
+def _layers_run(model, n):
+    """Runs only the first n decoder layers (LlamaModel iterates layers[:config.num_hidden_layers])."""
+    config = model.get_base_model().config
+    saved = config.num_hidden_layers
+    config.num_hidden_layers = n
+    try:
+        yield
+    finally:
+        config.num_hidden_layers = saved
+
+
+def kept_bytes_per_layer(model, batch):
+    """Bytes one decoder layer keeps alive for backward after a training forward: (all layers - one) / (L - 1)."""
+    layers = model.get_base_model().config.num_hidden_layers
+    kept = []
+    model.train()
+    for n in (1, layers):
+        with _layers_run(model, n):
+            held = []
+            gc.collect()
+            gc.disable()
+            try:
+                deltas = memory.cpu_allocation_deltas(lambda h=held: h.append(model(**batch).loss))
+            finally:
+                gc.enable()
+            kept.append(sum(deltas))
+            del held
+    return (kept[1] - kept[0]) // (layers - 1)
+
+
+def train(args, data, converted):
+    from transformers import Trainer, TrainingArguments
+
+    model = build(args, converted)
+    probe = torch.utils.data.default_collate([Chunks(data, args.seq, args.batch, args.seed + 7)[i]
+                                              for i in range(args.batch)])
+    per_layer = kept_bytes_per_layer(model, probe)
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch,
+                                  learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+                                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                                  dataloader_num_workers=0, seed=args.seed, disable_tqdm=True)
+        trainer = Trainer(model=model, args=targs, train_dataset=Chunks(data, args.seq, args.steps * args.batch,
+                                                                       args.seed))
+        trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    runtime = next(e["train_runtime"] for e in trainer.state.log_history if "train_runtime" in e)
+    return losses, per_layer, runtime
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=96)
+    ap.add_argument("--ffn", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.layers < 2:
+        ap.error("--layers must be at least 2 (bytes per layer are all layers minus one)")
+
+    data = load_bytes()
+    print(f"text: {len(data)} bytes; Llama: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, "
+          f"{args.heads} heads / {args.kv_heads} kv heads; LoRA r=8 on every Linear; "
+          f"batch {args.batch} x seq {args.seq}")
+    results = {}
+    for name, converted in (("transformers (SDPA)", False), ("selective_ckpt", True)):
+        print(f"training: {name}", flush=True)
+        results[name] = train(args, data, converted)
+
+    floor = memory.estimate(args.hidden, args.heads, args.seq, args.batch, torch.float32, args.ffn / args.hidden,
+                            "selective", num_kv_heads=args.kv_heads, ffn_dim=args.ffn, norm="rmsnorm",
+                            activation="swiglu")
+    adapters = 4 * 8 * 7 * args.batch * args.seq  # LoRA B's fp32 input, r = 8 wide, on 7 Linears per layer
+    print("\nstep  " + "  ".join(f"{n:>20s}" for n in results))
+    curves = [r[0] for r in results.values()]
+    for step in range(len(curves[0])):
+        if step < 5 or step % 10 == 0 or step == len(curves[0]) - 1:
+            print(f"{step + 1:4d}  " + "  ".join(f"{c[step]:20.4f}" for c in curves))
+    gap = max(abs(a - b) for a, b in zip(*curves))
+    print(f"largest loss difference between the two runs: {gap:.2e} (float32 rounding of different kernels)")
+    print("\nactivation bytes kept per decoder layer (one training forward):")
+    for name, (_, per_layer, runtime) in results.items():
+        print(f"  {name:20s} {memory.format_bytes(per_layer):>10s}  ({per_layer / (args.batch * args.seq):7.1f} "
+              f"B/token)  train {runtime:.1f} s")
+    tokens = args.batch * args.seq
+    print(f"  {'floor (estimate)':20s} {memory.format_bytes(floor):>10s}  ({floor / tokens:7.1f} B/token)")
+    print(f"  {'floor + LoRA inputs':20s} {memory.format_bytes(floor + adapters):>10s}  "
+          f"({(floor + adapters) / tokens:7.1f} B/token: each adapter's B keeps its r-wide input)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Checks every Hugging Face family test runs: the converted model against float64, unconverted in its dtype."""
+
+import copy
+import gc
+
+import torch
+
+from selective_ckpt import convert
+from selective_ckpt.memory.peak import cpu_allocation_deltas
+from tests.reference import assert_within_rule
+
+VOCAB = 97
+
+
+def triple(build, dtype=torch.float32):
+    """(float64 reference, unconverted on SDPA, converted; both in `dtype`) with the same weights."""
+    torch.manual_seed(0)
+    ref = build().double().train()
+    ref.config._attn_implementation = "sdpa"  # float64 (SDPA math path; HF eager masks give NaN in float64)
+    plain = copy.deepcopy(ref).to(dtype)
+    plain.config._attn_implementation = "sdpa"
+    ours = convert(copy.deepcopy(plain))
+    return ref, plain, ours
+
+
+def batch(b=2, s=19, seed=1, pad_rows=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    if pad_rows and b > 1:
+        mask[1, :4] = 0  # left padding
+    return ids, mask
+
+
+def _step(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    live = inputs["attention_mask"].bool() if inputs.get("attention_mask") is not None else None
+    logits = out.logits if live is None else out.logits[live]
+    (logits.double() * torch.linspace(-1, 1, logits.shape[-1], dtype=torch.float64)).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def assert_matches_reference(ref, plain, ours, **inputs):
+    """Logits (real positions) and every parameter gradient within the 2x / 3x rule against float64."""
+    r, rg = _step(ref, **inputs)
+    p, pg = _step(plain, **inputs)
+    o, og = _step(ours, **inputs)
+    assert_within_rule(o, p, r, 2, name="logits")
+    assert set(og) == set(pg) == set(rg), "the same parameters must receive gradients"
+    for n in rg:
+        assert_within_rule(og[n], pg[n], rg[n], 3, floor=1e-5, name=f"grad {n}")
+
+
+def assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    assert [n for n, _ in a.named_modules()] == [n for n, _ in b.named_modules()]
+
+
+def kept_bytes_per_layer(build_layers, inputs):
+    """Bytes one decoder layer keeps alive after forward: a 2-layer model minus a 1-layer one."""
+    net = []
+    for n in (1, 2):
+        model = build_layers(n)
+        held = []
+        # garbage of earlier tests collected inside the window would count as negative deltas
+        gc.collect()
+        gc.disable()
+        try:
+            deltas = cpu_allocation_deltas(lambda m=model, h=held: h.append(m(**inputs).logits))
+        finally:
+            gc.enable()
+        net.append(sum(deltas))
+        del held
+    return net[1] - net[0]
+
+
+def greedy(model, ids, n=6):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              pad_token_id=0)
+
+
+def check_family_basics(build, tmp_path, model_cls):
+    """Rule against float64 (padded and not), state dict unchanged, save/load both ways, greedy generate."""
+    ref, plain, ours = triple(build)
+    ids, mask = batch()
+    assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+    assert_matches_reference(ref, plain, ours, input_ids=ids)
+    assert_same_state(ours, plain)
+    ours.save_pretrained(tmp_path / "ours")
+    back = model_cls.from_pretrained(tmp_path / "ours", attn_implementation="sdpa")
+    assert_same_state(back, plain)
+    plain.save_pretrained(tmp_path / "plain")
+    ours2 = convert(model_cls.from_pretrained(tmp_path / "plain"))
+    assert_same_state(ours2, plain)
+    ours.eval()
+    plain.eval()
+    assert torch.equal(greedy(ours, ids[:1, :7]), greedy(plain, ids[:1, :7]))
+
+
+def check_lora_both_orders(build):
+    """PEFT LoRA before and after convert: adapters active, gradients as the unconverted LoRA model's."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora(model):
+        torch.manual_seed(5)
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        return get_peft_model(model, cfg)
+
+    ref, plain, _ = triple(build)
+    ids, mask = batch()
+    ref_l, plain_l = lora(ref), lora(plain)
+    before = convert(lora(copy.deepcopy(plain)))
+    after = lora(convert(copy.deepcopy(plain)))
+    for model in (before, after):
+        assert_matches_reference(ref_l, plain_l, model, input_ids=ids, attention_mask=mask)
+        with model.disable_adapter():
+            off = model(input_ids=ids).logits
+        assert not torch.allclose(off, model(input_ids=ids).logits), "adapters must be active"
+
+
+def check_modes_identical(model, ids, mask):
+    """"none", "selective" and "full" (and gradient_checkpointing_enable) give the same bits."""
+    from selective_ckpt import set_recompute
+
+    results = []
+    for mode in ("none", "selective", "full", "hf"):
+        if mode == "hf":
+            set_recompute(model, "selective")
+            model.gradient_checkpointing_enable()
+            assert set_recompute.__module__ and all(m._selective_ckpt.recompute == "full" for m in _layers(model))
+        else:
+            set_recompute(model, mode)
+        torch.manual_seed(3)
+        results.append(_step(model, input_ids=ids, attention_mask=mask))
+    model.gradient_checkpointing_disable()
+    for logits, grads in results[1:]:
+        assert torch.equal(logits, results[0][0])
+        for n, g in grads.items():
+            assert torch.equal(g, results[0][1][n]), n
+
+
+def _layers(model):
+    return [m for m in model.modules() if hasattr(m, "_selective_ckpt")]

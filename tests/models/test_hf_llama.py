@@ -1,0 +1,135 @@
+"""convert() on Hugging Face Llama: patched in place, checked against float64 and the unconverted model."""
+
+import copy
+
+import pytest
+import torch
+
+from selective_ckpt import ConversionError, convert
+from tests.models import hf_checks
+from tests.models.hf_checks import VOCAB, assert_matches_reference, batch, kept_bytes_per_layer, triple
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+
+def config(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def build(**kw):
+    return lambda: LlamaForCausalLM(config(**kw))
+
+
+def test_rule_state_save_load_generate(tmp_path):
+    hf_checks.check_family_basics(build(), tmp_path, LlamaForCausalLM)
+
+
+def test_bfloat16_rounds_as_transformers():
+    """In bf16 the kernels' rounding (RMSNorm: w * (x32 * rstd).to(bf16)) meets the rule vs unconverted."""
+    ref, plain, ours = triple(build(), torch.bfloat16)
+    ids, mask = batch()
+    assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+
+
+def test_rms_norm_with_weight_in_another_dtype_computes_as_transformers():
+    """bf16 input, fp32 weight: transformers promotes to fp32; the patched norm gives the same bits."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from selective_ckpt.models.patches import patch_forward, rms_norm_forward
+
+    norm = LlamaRMSNorm(24)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 24, dtype=torch.bfloat16)
+    expected = norm(x)
+    patch_forward(norm, rms_norm_forward)
+    got = norm(x)
+    assert got.dtype == expected.dtype == torch.float32
+    assert torch.equal(got, expected)
+
+
+def test_lora_both_orders():
+    hf_checks.check_lora_both_orders(build())
+
+
+def test_packed_documents_by_position_ids():
+    """position_ids restarting per document, no attention_mask: documents never attend each other."""
+    ref, plain, ours = triple(build())
+    ids, _ = batch(b=1, s=23)
+    pos = torch.tensor([list(range(9)) + list(range(5)) + list(range(9))])
+    assert_matches_reference(ref, plain, ours, input_ids=ids, position_ids=pos, use_cache=False)
+    # documents never see each other: changing the first leaves the others' logits alone
+    other = ids.clone()
+    other[:, :9] = (other[:, :9] + 1) % VOCAB
+    with torch.no_grad():
+        whole = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
+        changed = ours(input_ids=other, position_ids=pos, use_cache=False).logits
+        first = ours(input_ids=ids[:, :9]).logits
+    assert torch.equal(whole[:, 9:], changed[:, 9:])
+    torch.testing.assert_close(whole[:, :9], first, rtol=1e-5, atol=1e-5)
+
+
+def test_modes_bit_identical_and_gradient_checkpointing_is_full():
+    _, _, ours = triple(build(attention_dropout=0.17))
+    ids, mask = batch()
+    hf_checks.check_modes_identical(ours, ids, mask)
+
+
+def test_refusals_change_nothing():
+    model = LlamaForCausalLM(config(hidden_act="gelu"))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ConversionError, match="model type 'llama'.*hidden_act 'gelu'"):
+        convert(model)
+    assert model.config._attn_implementation != "selective_ckpt"
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    model = LlamaForCausalLM(config())
+    model.model.layers[1].input_layernorm = torch.nn.LayerNorm(64)
+    with pytest.raises(ConversionError, match=r"layers.1.input_layernorm.*LlamaRMSNorm"):
+        convert(model)
+    with pytest.raises(ConversionError, match="nothing to convert"):
+        convert(torch.nn.Linear(3, 3))
+
+
+def test_output_attentions_is_an_error():
+    ours = convert(LlamaForCausalLM(config()))
+    with pytest.raises(ConversionError, match="output_attentions"):
+        ours(input_ids=batch()[0], output_attentions=True)
+
+
+def test_bad_masks_are_refused():
+    ours = convert(LlamaForCausalLM(config()))
+    ids, _ = batch(b=1, s=9)
+    bias = torch.zeros(1, 1, 9, 9)
+    bias[..., 3] = -5.0
+    with pytest.raises(ConversionError, match="additive bias"):
+        ours(input_ids=ids, attention_mask=bias)
+    full = torch.ones(1, 1, 9, 9, dtype=torch.bool)  # bidirectional: not causal
+    with pytest.raises(ConversionError, match="neither causal"):
+        ours(input_ids=ids, attention_mask=full)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.17])
+def test_layer_keeps_the_floor(dropout):
+    """Train mode, use_cache left on: one converted layer keeps x, q, k, v (Hkv heads), o, x1, gate, up, fp32 rstd
+    x2 and lse (the floor), plus the attention dropout's 8-byte seed; "none" keeps the norm and product outputs."""
+    ids, _ = batch(b=2, s=24, pad_rows=False)
+    cfg = config()
+
+    def layers(n, converted, mode="selective"):
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(config(num_hidden_layers=n, attention_dropout=dropout)).train()
+        m.config._attn_implementation = "sdpa"
+        return convert(m, recompute=mode) if converted else m
+
+    ours = kept_bytes_per_layer(lambda n: layers(n, True), {"input_ids": ids})
+    kept_all = kept_bytes_per_layer(lambda n: layers(n, True, "none"), {"input_ids": ids})
+    sdpa = kept_bytes_per_layer(lambda n: layers(n, False), {"input_ids": ids})
+    h, hd, ffn = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads, cfg.intermediate_size
+    per_token = 4 * (h + h + 2 * cfg.num_key_value_heads * hd + h + h + 2 * ffn) + 4 * 2 + 4 * 4
+    seeds = 8 if dropout else 0
+    assert ours == ids.numel() * per_token + seeds
+    assert kept_all == ours + ids.numel() * 4 * (2 * h + ffn)  # both norm outputs and silu(gate) * up
+    assert sdpa > kept_all
