@@ -160,10 +160,13 @@ def measure(cfg, rows, prog):
         steps = {row: Step(models[row], x, gy) for row in rows}
         res = {row: {"seq": seq, "row": row} for row in rows}
         for row in rows:
-            if row in COMPILED_ROWS:  # compile before the ledger, whose module hooks would fire in tracing
-                steps[row]()
             prog.update(f"s={seq} {row}: ledger")
-            res[row]["kept_bytes_per_layer"] = memory.ledger(models[row], x).total // n
+            if row in COMPILED_ROWS:  # the ledger's hooks would make the compiled graph fall back to eager
+                steps[row]()
+                kept = memory.graph_saved_bytes(models[row](x), exclude=[models[row]])
+            else:
+                kept = memory.ledger(models[row], x).total
+            res[row]["kept_bytes_per_layer"] = kept // n
             res[row]["param_bytes_per_layer"] = param_bytes(models[row]) // n
         for row in rows:
             if device == "cpu":

@@ -264,6 +264,52 @@ def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), trac
     return report
 
 
+def _node_saved(node):
+    """Tensors an autograd node holds for backward: saved_tensors (custom and compiled functions)
+    and the _saved_* attributes of built-in nodes."""
+    found = []
+    try:
+        found += [t for t in node.saved_tensors if isinstance(t, torch.Tensor)]
+    except (AttributeError, RuntimeError):
+        pass
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed already
+                continue
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            found += [t for t in values if isinstance(t, torch.Tensor)]
+    return found
+
+
+def graph_saved_bytes(outputs, exclude=()):
+    """Bytes the autograd graph behind `outputs` holds for backward, by distinct storage.
+
+    For code the ledger's hooks would change: saved-tensor hooks make torch.compile fall back from
+    its compiled graph (whose partitioner decides what is saved), so a compiled module is measured
+    by walking the graph its plain forward built. Parameters, buffers and tensors in `exclude`
+    (modules or tensors) are not counted.
+    """
+    skip = set()
+    for obj in exclude:
+        tensors = list(obj.parameters()) + list(obj.buffers()) if isinstance(obj, nn.Module) else [obj]
+        skip |= {storage_key(t)[0] for t in tensors}
+    seen_nodes, sizes = set(), {}
+    stack = [t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen_nodes:
+            continue
+        seen_nodes.add(node)
+        for t in _node_saved(node):
+            key, nbytes = storage_key(t)
+            if key not in skip and not isinstance(t, nn.Parameter):
+                sizes[key] = nbytes
+        stack += [nxt for nxt, _ in node.next_functions]
+    return sum(sizes.values())
+
+
 def note_saved(tensors, op):
     """Report tensors kept for backward outside saved-tensor hooks to the running ledger (if any)."""
     if _ACTIVE:

@@ -155,3 +155,22 @@ def test_ledger_sac_without_op_output_reads_the_cache(monkeypatch):
                                              context_fn=memory.sac_context_fn()), x, exclude=[w])
     assert rep.total == (5 * 8 + 5 * 16) * F32
     assert sorted(e.op for e in rep.entries) == ["input", "sac:cached"]
+
+
+def test_graph_saved_bytes_agrees_with_the_ledger_and_excludes_parameters():
+    # the bench measures compiled modules by walking their graph (the ledger's hooks would make
+    # torch.compile fall back to eager); on eager modules both counts must agree
+    from selective_ckpt import SelectiveDecoderLayer
+    from selective_ckpt.bench.sdpa_layer import SDPADecoderLayer
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 64, requires_grad=True)
+    for layer in (SelectiveDecoderLayer(64, 4), SDPADecoderLayer(64, 4)):
+        assert memory.graph_saved_bytes(layer(x), exclude=[layer]) == memory.ledger(layer, x).total
+    # nn.MultiheadAttention's math path also keeps one 8-byte scalar operand in a node attribute,
+    # which the walk sees and saved-tensor hooks do not
+    mha = EagerDecoderLayer(64, 4)
+    assert 0 <= memory.graph_saved_bytes(mha(x), exclude=[mha]) - memory.ledger(mha, x).total <= 8
+    lin = nn.Linear(8, 4)
+    inp = torch.randn(3, 8)  # no grad: only the weight's gradient needs it saved
+    assert memory.graph_saved_bytes(lin(inp), exclude=[lin]) == 3 * 8 * F32
