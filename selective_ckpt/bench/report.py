@@ -59,7 +59,9 @@ def summary(results):
         sel = by.get((seq, "selective"))
         if sel is None:
             continue
-        parts = [f"seq {seq}: selective keeps {_ratio(sel['kept_vs_eager'])} eager's activations"]
+        parts = [f"seq {seq}: selective"]
+        if sel["kept_vs_eager"] is not None:
+            parts[0] += f" keeps {_ratio(sel['kept_vs_eager'])} eager's activations"
         if sel["time_vs_eager"] is not None:
             parts.append(f"step {_ratio(sel['time_vs_eager'])} eager")
         if sel["time_vs_none"] is not None:
