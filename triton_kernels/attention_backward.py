@@ -1,0 +1,237 @@
+"""Attention backward kernels: dK/dV per (key block, kv head) walking the query heads of its group
+in one flat loop (deterministic GQA, no atomics), and dQ per query block; both rebuild P from the
+logsumexp and the dropout mask from the seed. Entry points and tiles: triton_kernels/attention.py."""
+
+import triton
+import triton.language as tl
+
+from .attention_common import _allowed, _doc_bounds, _dot, _key_ranges, _load_rows, _ranges, _store_rows
+from .philox import (
+    apply_keep,
+    apply_keep_bit,
+    attention_keep_bits_t,
+    attention_keep_words,
+    key_order,
+    key_order_t,
+    load_key,
+)
+from .rounding import to_storage
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sdh, sqm, sdm, G, b_lo, b_hi, c0, cols,
+                 dsk, dek, pad, Sq, Sk, window, k0, k1, bh_head, t16, keep_scale, scale_log2,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                 HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr):
+    # Transposed tiles [BLOCK_N, BLOCK_M]: key j down, query i across.
+    EVEN_D: tl.constexpr = BLOCK_D == D
+    CHECK: tl.constexpr = MASKED and not EVEN_M
+    dims = tl.arange(0, BLOCK_D)
+    # One flat loop over (query head of the group, query block), heads in order: a nested head loop
+    # around the block loop kept more live across iterations and spilled; this is the G == 1 loop.
+    n_blk = b_hi - b_lo
+    for it in range(0, G * n_blk):
+        hh = it // n_blk
+        start = (b_lo + it - hh * n_blk) * BLOCK_M
+        q_base = q_head + hh * sqh
+        do_base = do_head + hh * sdh
+        lse_base = LSE + stat_head + hh * Sq
+        delta_base = DELTA + stat_head + hh * Sq
+        bh = bh_head + hh
+        rows = start + tl.arange(0, BLOCK_M)
+        q = _load_rows(q_base, rows, sqm, Sq, dims, D, CHECK, EVEN_D)
+        do = _load_rows(do_base, rows, sdm, Sq, dims, D, CHECK, EVEN_D)
+        if CHECK:
+            lse = tl.load(lse_base + rows, mask=rows < Sq, other=float("inf"))
+            delta = tl.load(delta_base + rows, mask=rows < Sq, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        st = _dot(kb, tl.trans(q), IEEE) * scale_log2
+        pt = tl.exp2(st - (lse * 1.4426950408889634)[None, :])
+        if MASKED or HAS_PAD:
+            # dsk/dek are the keys' document bounds: i shares j's document iff dsk <= i < dek.
+            ok = _allowed(rows[None, :], cols[:, None], Sq, Sk, window, 0, 0, pad, MASKED, CHECK, False, CAUSAL,
+                          WINDOW, False, HAS_PAD)
+            if MASKED and VARLEN:
+                ok = ok & (rows[None, :] >= dsk[:, None]) & (rows[None, :] < dek[:, None])
+            pt = tl.where(ok, pt, 0.0)
+        dpt = _dot(vb, tl.trans(do), IEEE)
+        if DROPOUT:
+            bits = attention_keep_bits_t(k0, k1, start, c0, bh, t16, BLOCK_M, BLOCK_N)
+            dv += _dot(to_storage(apply_keep_bit(pt * keep_scale, bits), do.dtype), do, IEEE)
+            dpt = apply_keep_bit(dpt, bits) * keep_scale
+        else:
+            dv += _dot(to_storage(pt, do.dtype), do, IEEE)
+        dst = pt * (dpt - delta[None, :])
+        dk += _dot(to_storage(dst, q.dtype), q, IEEE)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["window", "n_docs", "doc_bits", "t16"])
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
+                     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
+                     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+                     H, G, Sq, Sk, window, n_docs, doc_bits, scale, scale_log2, t16, keep_scale,
+                     D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                     HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    EVEN_D: tl.constexpr = BLOCK_D == D
+    n_n = tl.cdiv(Sk, BLOCK_N)
+    pid = tl.program_id(0)
+    bg = pid // n_n
+    pid_n = pid % n_n
+    Hkv = H // G
+    b = (bg // Hkv).to(tl.int64)
+    kvh = (bg % Hkv).to(tl.int64)
+    c0 = pid_n * BLOCK_N
+    c1 = tl.minimum(c0 + BLOCK_N, Sk) - 1
+    if DROPOUT:  # the keys in the order of the dropout tiles (the stores follow it)
+        cols = key_order_t(c0, BLOCK_N)
+    else:
+        cols = c0 + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    kb = _load_rows(K + b * skb + kvh * skh, cols, skn, Sk, dims, D, not EVEN_N, EVEN_D)
+    vb = _load_rows(V + b * svb + kvh * svh, cols, svn, Sk, dims, D, not EVEN_N, EVEN_D)
+    pad = 1
+    if HAS_PAD:
+        pad = tl.load(PAD + b * Sk + cols, mask=cols < Sk, other=0)[:, None]
+    k0 = 0
+    k1 = 0
+    if DROPOUT:
+        k0, k1 = load_key(SEED)
+    dsk = cols
+    dek = cols
+    # Query range attending these keys; full_* is where no query needs an element mask.
+    lo = 0
+    hi = Sq
+    full_lo = 0
+    full_hi = Sq
+    if VARLEN:
+        dsk, dek = _doc_bounds(CU, tl.minimum(cols, Sk - 1), n_docs, doc_bits)
+        lo = tl.min(dsk, 0)
+        hi = tl.max(dek, 0)
+        full_lo = tl.max(dsk, 0)
+        full_hi = tl.min(dek, 0)
+    if CAUSAL:
+        lo = tl.maximum(lo, c0)
+        full_lo = tl.maximum(full_lo, c1)
+    if WINDOW:
+        hi = tl.minimum(hi, c1 + window)
+        full_hi = tl.minimum(full_hi, c0 + window)
+    b0, b1, b2, b3 = _ranges(c0, c1, lo, hi, full_lo, full_hi, BLOCK_M)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    h0 = kvh * G  # the group's first query head; its G heads are reduced in order (deterministic)
+    args = (Q + b * sqb + h0 * sqh, DO + b * sdb + h0 * sdh, (b * H + h0) * Sq, DELTA, LSE, sqh, sdh, sqm, sdm, G)
+    rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, k0, k1, b * H + h0, t16, keep_scale, scale_log2)
+    if CAUSAL or WINDOW or VARLEN or not EVEN_M:
+        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+    else:
+        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+    _store_rows(DK + b * sdkb + kvh * sdkh, cols, sdkn, Sk, dims, dk * scale, D, not EVEN_N, EVEN_D)
+    _store_rows(DV + b * sdvb + kvh * sdvh, cols, sdvn, Sk, dims, dv, D, not EVEN_N, EVEN_D)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows, ds, de, pad_base,
+               Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+               HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr):
+    EVEN_D: tl.constexpr = BLOCK_D == D
+    CHECK: tl.constexpr = MASKED and not EVEN_N
+    dims = tl.arange(0, BLOCK_D)
+    for blk in range(b_lo, b_hi):
+        start = blk * BLOCK_N
+        if DROPOUT:
+            cols = key_order(start, BLOCK_N)
+        else:
+            cols = start + tl.arange(0, BLOCK_N)
+        kb = _load_rows(k_base, cols, skn, Sk, dims, D, CHECK, EVEN_D)
+        vb = _load_rows(v_base, cols, svn, Sk, dims, D, CHECK, EVEN_D)
+        s = _dot(q, tl.trans(kb), IEEE) * scale_log2
+        p = tl.exp2(s - lse2[:, None])
+        if MASKED or HAS_PAD:
+            pad = 1
+            if HAS_PAD:
+                pad = tl.load(pad_base + cols, mask=cols < Sk, other=0)[None, :]
+            ok = _allowed(rows[:, None], cols[None, :], Sq, Sk, window, ds[:, None], de[:, None], pad,
+                          MASKED, False, CHECK, CAUSAL, WINDOW, VARLEN, HAS_PAD)
+            p = tl.where(ok, p, 0.0)
+        dp = _dot(do, tl.trans(vb), IEEE)
+        if DROPOUT:
+            # zeroed before the scale, so that dp * keep_scale - delta fuses into one FMA
+            words = attention_keep_words(k0, k1, r0, start, bh, BLOCK_M, BLOCK_N)
+            dp = apply_keep(dp, words, t16) * keep_scale
+        ds_ = p * (dp - delta[:, None])
+        dq += _dot(to_storage(ds_, kb.dtype), kb, IEEE)
+    return dq
+
+
+@triton.jit(do_not_specialize=["window", "n_docs", "doc_bits", "t16"])
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
+                   sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
+                   H, G, Sq, Sk, window, n_docs, doc_bits, scale, scale_log2, t16, keep_scale,
+                   D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                   HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    EVEN_D: tl.constexpr = BLOCK_D == D
+    n_m = tl.cdiv(Sq, BLOCK_M)
+    pid = tl.program_id(0)
+    bh = pid // n_m
+    pid_m = n_m - 1 - pid % n_m
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    kvh = (h // G).to(tl.int64)
+    h = h.to(tl.int64)
+    r0 = pid_m * BLOCK_M
+    r1 = tl.minimum(r0 + BLOCK_M, Sq) - 1
+    rows = r0 + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + b * sqb + h * sqh, rows, sqm, Sq, dims, D, not EVEN_M, EVEN_D)
+    do = _load_rows(DO + b * sdb + h * sdh, rows, sdm, Sq, dims, D, not EVEN_M, EVEN_D)
+    stat = bh.to(tl.int64) * Sq + rows
+    if EVEN_M:
+        lse2 = tl.load(LSE + stat) * 1.4426950408889634
+        delta = tl.load(DELTA + stat)
+    else:
+        lse2 = tl.load(LSE + stat, mask=rows < Sq, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + stat, mask=rows < Sq, other=0.0)
+    k_base = K + b * skb + kvh * skh
+    v_base = V + b * svb + kvh * svh
+    pad_base = 0  # PAD is None (a constexpr) without padding
+    if HAS_PAD:
+        pad_base = PAD + b * Sk
+    k0 = 0
+    k1 = 0
+    if DROPOUT:
+        k0, k1 = load_key(SEED)
+    ds = rows
+    de = rows
+    if VARLEN:
+        ds, de = _doc_bounds(CU, tl.minimum(rows, Sq - 1), n_docs, doc_bits)
+    b0, b1, b2, b3 = _key_ranges(r0, r1, Sk, window, ds, de, CAUSAL, WINDOW, VARLEN, BLOCK_N)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    args = (q, do, lse2, delta, k_base, v_base, skn, svn)
+    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2)
+    if CAUSAL or WINDOW or VARLEN or not EVEN_N:
+        dq = _dq_blocks(dq, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+        dq = _dq_blocks(dq, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+        dq = _dq_blocks(dq, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+    else:
+        dq = _dq_blocks(dq, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+    _store_rows(DQ + b * sdqb + h * sdqh, rows, sdqm, Sq, dims, dq * scale, D, not EVEN_M, EVEN_D)

@@ -1,0 +1,135 @@
+"""Attention forward kernel (online softmax over the key blocks a query block can attend, dropout
+in the score tile's layout, +inf logsumexp for empty rows) and the delta = rowsum(dO * O)
+pre-pass of backward. Entry points and tiles: triton_kernels/attention.py."""
+
+import triton
+import triton.language as tl
+
+from .attention_common import _allowed, _doc_bounds, _dot, _key_ranges, _load_rows, _store_rows
+from .philox import (
+    apply_keep,
+    attention_keep_words,
+    key_order,
+    load_key,
+)
+from .rounding import to_storage
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows, ds, de, pad_base,
+                Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr):
+    EVEN_D: tl.constexpr = BLOCK_D == D
+    CHECK: tl.constexpr = MASKED and not EVEN_N
+    dims = tl.arange(0, BLOCK_D)
+    for blk in range(b_lo, b_hi):
+        start = blk * BLOCK_N
+        if DROPOUT:
+            cols = key_order(start, BLOCK_N)
+        else:
+            cols = start + tl.arange(0, BLOCK_N)
+        kb = _load_rows(k_base, cols, skn, Sk, dims, D, CHECK, EVEN_D)
+        s = _dot(q, tl.trans(kb), IEEE) * scale_log2
+        if MASKED or HAS_PAD:
+            pad = 1
+            if HAS_PAD:
+                pad = tl.load(pad_base + cols, mask=cols < Sk, other=0)[None, :]
+            ok = _allowed(rows[:, None], cols[None, :], Sq, Sk, window, ds[:, None], de[:, None], pad,
+                          MASKED, False, CHECK, CAUSAL, WINDOW, VARLEN, HAS_PAD)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay at 0
+        alpha = tl.exp2(m_i - base)
+        p = tl.exp2(s - base[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            words = attention_keep_words(k0, k1, r0, start, bh, BLOCK_M, BLOCK_N)
+            p = apply_keep(p, words, t16)  # keep_scale is applied once, to the output
+        vb = _load_rows(v_base, cols, svn, Sk, dims, D, CHECK, EVEN_D)
+        acc = acc * alpha[:, None] + _dot(to_storage(p, vb.dtype), vb, IEEE)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["window", "n_docs", "doc_bits", "t16"])
+def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+                H, G, Sq, Sk, window, n_docs, doc_bits, scale_log2, t16, keep_scale,
+                D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    EVEN_D: tl.constexpr = BLOCK_D == D
+    n_m = tl.cdiv(Sq, BLOCK_M)
+    pid = tl.program_id(0)
+    bh = pid // n_m
+    pid_m = n_m - 1 - pid % n_m  # the longest causal rows of a head start first
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    kvh = (h // G).to(tl.int64)
+    h = h.to(tl.int64)
+    r0 = pid_m * BLOCK_M
+    r1 = tl.minimum(r0 + BLOCK_M, Sq) - 1
+    rows = r0 + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + b * sqb + h * sqh, rows, sqm, Sq, dims, D, not EVEN_M, EVEN_D)
+    k_base = K + b * skb + kvh * skh
+    v_base = V + b * svb + kvh * svh
+    pad_base = 0  # PAD is None (a constexpr) without padding
+    if HAS_PAD:
+        pad_base = PAD + b * Sk
+    k0 = 0
+    k1 = 0
+    if DROPOUT:
+        k0, k1 = load_key(SEED)
+    ds = rows
+    de = rows
+    if VARLEN:
+        ds, de = _doc_bounds(CU, tl.minimum(rows, Sq - 1), n_docs, doc_bits)
+    b0, b1, b2, b3 = _key_ranges(r0, r1, Sk, window, ds, de, CAUSAL, WINDOW, VARLEN, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    args = (q, k_base, v_base, skn, svn)
+    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2)
+    if CAUSAL or WINDOW or VARLEN or not EVEN_N:
+        acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+        acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+        acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+    else:
+        acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+    empty = l_i == 0.0
+    inv = 1.0 / tl.where(empty, 1.0, l_i)
+    if DROPOUT:
+        inv = inv * keep_scale
+    o = acc * inv[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    _store_rows(OUT + b * sob + h * soh, rows, som, Sq, dims, o, D, not EVEN_M, EVEN_D)
+    lse_ptr = LSE + bh.to(tl.int64) * Sq + rows
+    if EVEN_M:
+        tl.store(lse_ptr, lse)
+    else:
+        tl.store(lse_ptr, lse, mask=rows < Sq)
+
+
+@triton.jit
+def _delta_kernel(OUT, DO, DELTA, sob, soh, som, sdb, sdh, sdm, H, Sq, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """delta[b, h, i] = sum_d dO * O in fp32 (equal to sum_j P_ij dP_ij, dropout included)."""
+    n_m = tl.cdiv(Sq, BLOCK_M)
+    pid = tl.program_id(0)
+    bh = pid // n_m
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = (pid % n_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    o = _load_rows(OUT + b * sob + h * soh, rows, som, Sq, dims, D, True, BLOCK_D == D).to(tl.float32)
+    do = _load_rows(DO + b * sdb + h * sdh, rows, sdm, Sq, dims, D, True, BLOCK_D == D).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * Sq + rows, tl.sum(o * do, 1), mask=rows < Sq)
