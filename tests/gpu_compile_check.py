@@ -13,7 +13,8 @@ launched.
 Per compiled kernel: registers and local (spill) memory from `cuobjdump -res-usage`, spill
 instructions (STL/LDL) and instruction counts from `cuobjdump -sass` (the whole kernel and its
 main loop: the largest innermost loop), shared memory from the kernel metadata. n_spills is the
-number of spill instructions.
+number of spill instructions; n_wgmma_serialized counts the wgmma that ptxas made wait for
+themselves (its C7515 "Potential Performance Loss"), read from the SASS.
 
     python tests/gpu_compile_check.py [--json PATH] [--only attention|dropout|layer_norm|gelu|philox|llama_blocks]
 """
@@ -67,6 +68,7 @@ def analyse(cubin: bytes):
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1)) + int(re.search(r"STACK:(\d+)", usage).group(1))
     addrs, loops, stl, ldl = [], [], 0, 0
+    wgmma = []  # (destination, accumulator input, waits for itself) of each HGMMA, in program order
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if not m:
@@ -78,13 +80,20 @@ def analyse(cubin: bytes):
         stl += op.startswith("STL")
         ldl += op.startswith("LDL")
         addrs.append(addr)
+        if op.startswith("HGMMA"):
+            args = [a.strip() for a in re.sub(r"^@!?U?P\w+\s+", "", text.strip()).split(None, 1)[1].split(",")]
+            waits = args[-1] == "gsb0"
+            wgmma.append((args[0], args[-2] if waits else args[-1], waits))
         b = re.search(r"\bBRA\s+(?:`\(.*?\)\s*)?(0x[0-9a-f]+)", text)
         if b and int(b.group(1), 16) < addr:
             loops.append((int(b.group(1), 16), addr))
     inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
     sizes = sorted((sum(1 for a in addrs if lo <= a <= hi) for lo, hi in inner), reverse=True)
+    # ptxas serialises wgmma (its C7515 "Potential Performance Loss") by closing every HGMMA with its
+    # own wait: an HGMMA that waits for itself and whose result the next one accumulates into.
+    serial = sum(1 for a, b in zip(wgmma, wgmma[1:]) if a[2] and b[1] == a[0])
     return dict(n_regs=regs, local_bytes=local, spill_stores=stl, spill_loads=ldl, n_instructions_total=len(addrs),
-                n_instructions=sizes[0] if sizes else 0, loops=sizes)
+                n_instructions=sizes[0] if sizes else 0, loops=sizes, n_wgmma_serialized=serial)
 
 
 def _dtype_name(signature):
@@ -156,7 +165,8 @@ def _describe(r):
     flags = " ".join(k for k in ("CAUSAL", "WINDOW", "VARLEN", "HAS_PAD", "DROPOUT") if c.get(k))
     tile = "x".join(str(c[k]) for k in ("BLOCK_M", "BLOCK_N") if k in c)
     return (f"[{r.get('case', '')}] D={r['head_dim']} {flags} tile={tile} w{r['num_warps']}s{r['num_stages']} "
-            f"regs={r['n_regs']} spills={r['n_spills']} shared={r['shared']} loop={r['n_instructions']} "
+            f"regs={r['n_regs']} spills={r['n_spills']} serial={r['n_wgmma_serialized']} shared={r['shared']} "
+            f"loop={r['n_instructions']} "
             f"total={r['n_instructions_total']}")
 
 
