@@ -28,6 +28,7 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
     EVEN_D: tl.constexpr = BLOCK_D == D
     CHECK: tl.constexpr = MASKED and not EVEN_M
     dims = tl.arange(0, BLOCK_D)
+    offs = tl.arange(0, BLOCK_M)
     # One flat loop over (query head of the group, query block), heads in order: a nested head loop
     # around the block loop kept more live across iterations and spilled; this is the G == 1 loop.
     n_blk = b_hi - b_lo
@@ -39,9 +40,9 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
         lse_base = LSE + stat_head + hh * Sq
         delta_base = DELTA + stat_head + hh * Sq
         bh = bh_head + hh
-        rows = start + tl.arange(0, BLOCK_M)
-        q = _load_rows(q_base, rows, sqm, Sq, dims, D, CHECK, EVEN_D)
-        do = _load_rows(do_base, rows, sdm, Sq, dims, D, CHECK, EVEN_D)
+        rows = start + offs
+        q = _load_rows(q_base + start.to(tl.int64) * sqm, offs, sqm, Sq - start, dims, D, CHECK, EVEN_D)
+        do = _load_rows(do_base + start.to(tl.int64) * sdm, offs, sdm, Sq - start, dims, D, CHECK, EVEN_D)
         if CHECK:
             lse = tl.load(lse_base + rows, mask=rows < Sq, other=float("inf"))
             delta = tl.load(delta_base + rows, mask=rows < Sq, other=0.0)
@@ -60,8 +61,9 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
         dpt = _dot(vb, tl.trans(do), IEEE)
         if DROPOUT:
             bits = attention_keep_bits_t(k0, k1, start, c0, bh, t16, BLOCK_M, BLOCK_N)
-            dv += _dot(to_storage(apply_keep_bit(pt * keep_scale, bits), do.dtype), do, IEEE)
-            dpt = apply_keep_bit(dpt, bits) * keep_scale
+            pt_kept, dpt = apply_keep_bit(bits, pt, dpt)
+            dv += _dot(to_storage(pt_kept, do.dtype), do, IEEE)  # keep_scale: applied at the store
+            dpt = dpt * keep_scale
         else:
             dv += _dot(to_storage(pt, do.dtype), do, IEEE)
         dst = pt * (dpt - delta[None, :])
@@ -127,7 +129,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
     h0 = kvh * G  # the group's first query head; its G heads are reduced in order (deterministic)
     args = (Q + b * sqb + h0 * sqh, DO + b * sdb + h0 * sdh, (b * H + h0) * Sq, DELTA, LSE, sqh, sdh, sqm, sdm, G)
     rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, k0, k1, b * H + h0, t16, keep_scale, scale_log2)
-    if CAUSAL or WINDOW or VARLEN or not EVEN_M:
+    # With dropout the loop is always split too (its edge ranges are then empty): as one loop, with the
+    # dK/dV dots in flight across iterations and the keep flags changing layout inside it, ptxas
+    # serialises every wgmma (C7515; n_wgmma_serialized in tests/gpu_compile_check.py).
+    if CAUSAL or WINDOW or VARLEN or not EVEN_M or DROPOUT:
         dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
                               DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
         dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
@@ -138,6 +143,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
         dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
                               DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
     _store_rows(DK + b * sdkb + kvh * sdkh, cols, sdkn, Sk, dims, dk * scale, D, not EVEN_N, EVEN_D)
+    if DROPOUT:
+        dv = dv * keep_scale
     _store_rows(DV + b * sdvb + kvh * sdvh, cols, sdvn, Sk, dims, dv, D, not EVEN_N, EVEN_D)
 
 

@@ -145,13 +145,14 @@ def attention_keep_bits_t(k0, k1, col0, row0, batch_head, t16, BM: tl.constexpr,
 
 
 @triton.jit
-def apply_keep_bit(x, bit):
-    """x (fp32) where `bit` (int32) is nonzero, else 0."""
+def apply_keep_bit(bit, x, y):
+    """(x, y) (fp32) where `bit` (int32) is nonzero, else 0: one test serves both tiles."""
     if INTERPRETED:
-        return tl.where(bit != 0, x, 0.0)
+        return tl.where(bit != 0, x, 0.0), tl.where(bit != 0, y, 0.0)
     else:  # as in apply_keep
-        return tl.inline_asm_elementwise("{ .reg .pred k; setp.ne.u32 k, $1, 0; selp.f32 $0, $2, 0f00000000, k; }",
-                                         "=r,r,r", [bit, x], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred k; setp.ne.u32 k, $2, 0; selp.f32 $0, $3, 0f00000000, k; selp.f32 $1, $4, 0f00000000, k; }",
+            "=r,=r,r,r,r", [bit, x, y], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -199,7 +200,8 @@ def _attention_mask_kernel(out, H, Sq, Sk, SEED, t16, BLOCK_M: tl.constexpr, BLO
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if TRANS:  # the dK/dV kernel's form: keys down (key_order_t), queries across
         bits = attention_keep_bits_t(k0, k1, pid_m * BLOCK_M, pid_n * BLOCK_N, bh, t16, BLOCK_M, BLOCK_N)
-        keep = apply_keep_bit(tl.full([BLOCK_N, BLOCK_M], 1.0, tl.float32), bits) != 0.0
+        one = tl.full([BLOCK_N, BLOCK_M], 1.0, tl.float32)
+        keep = apply_keep_bit(bits, one, one)[0] != 0.0
         rows, cols = rows[None, :], key_order_t(pid_n * BLOCK_N, BLOCK_N)[:, None]
     else:  # the forward and dQ kernels' form: columns in key_order
         words = attention_keep_words(k0, k1, pid_m * BLOCK_M, pid_n * BLOCK_N, bh, BLOCK_M, BLOCK_N)

@@ -110,6 +110,8 @@ CASES = {
     "fp32-window-not-causal-sq-ne-sk": (1, 2, 2, 21, 35, 16, torch.float32, False, 4, False, None, 0.17, False),
     "bf16-mqa-drop-empty-row": (2, 3, 1, 17, 23, 16, torch.bfloat16, False, 0, True, None, 0.3, False),
     "fp16-d64-causal": (1, 1, 1, 18, 18, 64, torch.float16, True, 0, False, None, 0.1, False),
+    # whole blocks, no mask but dropout: the dK/dV loop's split form with empty edge ranges
+    "bf16-even-drop-not-causal": (2, 2, 2, 32, 48, 16, torch.bfloat16, False, 0, False, None, 0.2, False),
 }
 
 
