@@ -26,13 +26,14 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
     EVEN_D: tl.constexpr = BLOCK_D == D
     CHECK: tl.constexpr = MASKED and not EVEN_N
     dims = tl.arange(0, BLOCK_D)
+    if DROPOUT:
+        offs = key_order(0, BLOCK_N)
+    else:
+        offs = tl.arange(0, BLOCK_N)
     for blk in range(b_lo, b_hi):
         start = blk * BLOCK_N
-        if DROPOUT:
-            cols = key_order(start, BLOCK_N)
-        else:
-            cols = start + tl.arange(0, BLOCK_N)
-        kb = _load_rows(k_base, cols, skn, Sk, dims, D, CHECK, EVEN_D)
+        cols = start + offs
+        kb = _load_rows(k_base + start.to(tl.int64) * skn, offs, skn, Sk - start, dims, D, CHECK, EVEN_D)
         s = _dot(q, tl.trans(kb), IEEE) * scale_log2
         if MASKED or HAS_PAD:
             pad = 1
@@ -49,7 +50,7 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
         if DROPOUT:
             words = attention_keep_words(k0, k1, r0, start, bh, BLOCK_M, BLOCK_N)
             p = apply_keep(p, words, t16)  # keep_scale is applied once, to the output
-        vb = _load_rows(v_base, cols, svn, Sk, dims, D, CHECK, EVEN_D)
+        vb = _load_rows(v_base + start.to(tl.int64) * svn, offs, svn, Sk - start, dims, D, CHECK, EVEN_D)
         acc = acc * alpha[:, None] + _dot(to_storage(p, vb.dtype), vb, IEEE)
         m_i = m_new
     return acc, m_i, l_i
