@@ -1,6 +1,7 @@
 """Every Triton kernel, at the configurations the entry points launch and with a real launch's
 specialisation, compiles for sm_90 (Hopper) without a GPU (tests/gpu_compile_check.py): no 16-bit
-configuration spills, none needs more shared memory than sm_90 has, and the attention matrix
+configuration spills or has ptxas serialise its wgmma, none needs more shared memory than sm_90
+has, dropout's added main-loop cost stays bounded, and the attention matrix
 (fp16/bf16/fp32 x head dim 64/128/80 x causal x dropout, GQA, window, documents) is covered."""
 
 import json
@@ -44,6 +45,13 @@ def test_no_spills_in_16_bit_and_shared_memory_fits(records):
     assert not big, [(r["kernel"], r["constexprs"], r["shared"]) for r in big]
 
 
+def test_no_serialized_wgmma_in_16_bit(records):
+    """ptxas closes every wgmma with its own wait (C7515) when it cannot keep the accumulators in
+    flight; the dK/dV dropout kernels did, as one loop (a warpgroup then waits out each MMA)."""
+    serial = [r for r in records if r["dtype"] in ("fp16", "bf16") and r["n_wgmma_serialized"]]
+    assert not serial, [(r["kernel"], r.get("case"), r["constexprs"], r["n_wgmma_serialized"]) for r in serial]
+
+
 def test_attention_matrix_is_covered_with_launch_alignment(records):
     att = [r for r in records if r["kernel"] in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")]
     seen = {(r["kernel"], r["dtype"], r["head_dim"], r["constexprs"]["CAUSAL"], r["constexprs"]["DROPOUT"])
@@ -62,11 +70,27 @@ def test_attention_matrix_is_covered_with_launch_alignment(records):
     assert {"Q", "K", "V", "OUT", "LSE", "sqh", "skh"} <= set(fwd["divisible"])
 
 
+def _per_element(r, loop):
+    c = r["constexprs"]
+    return loop / (c["BLOCK_M"] * c["BLOCK_N"] / (32 * r["num_warps"]))
+
+
 def test_dropout_main_loop_cost(records):
-    """Philox once per 8 columns, computed in the score tile's own layout: the D=128 bf16 forward's
-    main loop with dropout stays within 1.6x of the loop without (1.51x measured; 2.15x when the
-    flags were expanded by joins and converted, 3.1x with Philox per element)."""
-    fwd = {r["constexprs"]["DROPOUT"]: r["n_instructions"] for r in records
-           if r["kernel"] == "_fwd_kernel" and r["dtype"] == "bf16" and r["head_dim"] == 128 and r.get("case") == "base"
-           and not r["constexprs"]["CAUSAL"]}
-    assert fwd[True] <= 1.6 * fwd[False], fwd
+    """Dropout's added main-loop instructions per score element (per thread), bf16, no mask: Philox
+    once per 8 columns computed where its values are used. The forward and dQ measure 7.2-8.2
+    (3.1x the plain forward loop with Philox per element: 32.7; 15.6 when the flags were expanded
+    by joins and converted); dK/dV, whose flags change layout once per Philox call and whose
+    dropout tile is smaller, 18-25. The contract's floor is about 5.5 (40 instructions per Philox
+    call for 8 elements, a compare and a select each): see docs/DESIGN.md."""
+    bounds = {"_fwd_kernel": 9.0, "_bwd_dq_kernel": 9.0, "_bwd_dkdv_kernel": 28.0}
+    base = {}
+    for r in records:
+        c = r["constexprs"]
+        if r["kernel"] in bounds and r["dtype"] == "bf16" and r.get("case") == "base" and not c["CAUSAL"]:
+            # the interior loop: with dropout the dK/dV loop is split and its edge ranges are empty
+            base[r["kernel"], r["head_dim"], c["DROPOUT"]] = _per_element(r, min(r["loops"]))
+    assert len(base) == 3 * 3 * 2, sorted(base)  # three kernels, head dims 64/128/80, dropout off and on
+    for (kernel, d, dropout), per_el in base.items():
+        if dropout:
+            extra = per_el - base[kernel, d, False]
+            assert 0 < extra <= bounds[kernel], (kernel, d, round(extra, 1))
