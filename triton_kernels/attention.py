@@ -35,12 +35,13 @@ from .rounding import INTERPRETED
 INTERPRETER_BLOCKS = (16, 16)
 
 
-def _tiles(kernel, block_d, wide, causal, dropout):
+def _tiles(kernel, block_d, wide, dropout, lean):
     # Measured (tests/gpu_compile_check.py): dropout's Philox adds registers, so dK/dV's dropout
-    # variants take 16/32-row query blocks (the plain tile spills in the GQA, window, document and
-    # ragged variants); the forward takes 8 warps (with 4 the D=64 causal and document variants spilled).
-    # fp32 uses IEEE dots, which Hopper runs on FMA units with whole operand rows per thread: only
-    # small tiles stay out of local memory there.
+    # variants take 32-row (D <= 64) or 16-row query blocks; only lean launches (one query head per
+    # kv head, no window, no documents, whole 64-row blocks) keep the plain tile, which spilled with
+    # the extra masking state of the others. The forward takes 8 warps (with 4 the D=64 causal and
+    # document variants spilled). fp32 uses IEEE dots, which Hopper runs on FMA units with whole
+    # operand rows per thread: only small tiles stay out of local memory there.
     if wide:
         return (16, 32, 4, 1) if kernel == "dkdv" else (16, 16, 4, 1)
     if kernel == "fwd":
@@ -50,19 +51,20 @@ def _tiles(kernel, block_d, wide, causal, dropout):
             return (128, 64, 8, 3)
         return (128, 32, 8, 2) if block_d <= 128 else (64, 32, 8, 2)
     # dkdv: a tall key block (two fp32 accumulators) resident, query blocks streamed
+    small = dropout and not lean
     if block_d <= 64:
-        return (32, 128, 8, 3) if dropout else (64, 128, 8, 3)
+        return (32, 128, 8, 3) if small else (64, 128, 8, 3)
     if block_d <= 128:
-        return (16, 128, 8, 2) if dropout else (32, 128, 8, 2)
+        return (16, 128, 8, 2) if small else (32, 128, 8, 2)
     return (16, 64, 8, 2) if dropout else (32, 64, 8, 2)
 
 
-def config(kernel, D, dtype, causal=False, dropout=False):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of one kernel."""
+def config(kernel, D, dtype, dropout=False, lean=False):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of one kernel; lean: see _tiles."""
     block_d = max(16, triton.next_power_of_2(D))
     if INTERPRETED:
         return INTERPRETER_BLOCKS + (block_d, 4, 1)
-    bm, bn, warps, stages = _tiles(kernel, block_d, dtype.itemsize == 4, causal, dropout)
+    bm, bn, warps, stages = _tiles(kernel, block_d, dtype.itemsize == 4, dropout, lean)
     return bm, bn, block_d, warps, stages
 
 
@@ -70,8 +72,9 @@ def _s3(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _flags(q, Sq, Sk, causal, window, pad, cu_seqlens, t16, kernel):
-    bm, bn, bd, warps, stages = config(kernel, q.shape[3], q.dtype, causal, t16 > 0)
+def _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, t16, kernel):
+    lean = q.shape[1] == k.shape[1] and window == 0 and cu_seqlens is None and Sq % 64 == 0
+    bm, bn, bd, warps, stages = config(kernel, q.shape[3], q.dtype, t16 > 0, lean)
     return dict(D=q.shape[3], CAUSAL=bool(causal), WINDOW=window > 0, VARLEN=cu_seqlens is not None,
                 HAS_PAD=pad is not None, DROPOUT=t16 > 0, IEEE=q.dtype.itemsize == 4, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=bd, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0, num_warps=warps, num_stages=stages)
@@ -96,7 +99,7 @@ def forward(q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale
                                                                     seed, t16)
     if B * H * Sq == 0:
         return
-    f = _flags(q, Sq, Sk, causal, window, pad, cu_seqlens, t16, "fwd")
+    f = _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, t16, "fwd")
     grid = (triton.cdiv(Sq, f["BLOCK_M"]) * B * H,)
     _fwd_kernel[grid](q, k, v, o, lse, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(o),
                       H, H // Hkv, Sq, Sk, window, n_docs, doc_bits, scale * LOG2E, t16, float(keep_scale), **f)
@@ -132,7 +135,7 @@ def _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale, seed, t
     B, H, Hkv, Sq, Sk, pad, n_docs, doc_bits, window, seed = _common(q, k, key_padding_mask, cu_seqlens, window,
                                                                     seed, t16)
     tail = (H, H // Hkv, Sq, Sk, window, n_docs, doc_bits, scale, scale * LOG2E, t16, float(keep_scale))
-    return B, H, Hkv, Sq, Sk, pad, seed, tail, _flags(q, Sq, Sk, causal, window, pad, cu_seqlens, t16, kernel)
+    return B, H, Hkv, Sq, Sk, pad, seed, tail, _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, t16, kernel)
 
 
 def backward_dkdv(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale,
