@@ -5,7 +5,7 @@ logsumexp and the dropout mask from the seed. Entry points and tiles: triton_ker
 import triton
 import triton.language as tl
 
-from .attention_common import _allowed, _doc_bounds, _dot, _key_ranges, _load_rows, _ranges, _store_rows
+from .attention_common import _allowed, _doc_bounds, _dot, _key_side, _load_rows, _query_block, _ranges, _store_rows
 from .philox import (
     apply_keep,
     apply_keep_bit,
@@ -192,17 +192,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
                    HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     EVEN_D: tl.constexpr = BLOCK_D == D
-    n_m = tl.cdiv(Sq, BLOCK_M)
-    pid = tl.program_id(0)
-    bh = pid // n_m
-    pid_m = n_m - 1 - pid % n_m
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    kvh = (h // G).to(tl.int64)
-    h = h.to(tl.int64)
-    r0 = pid_m * BLOCK_M
-    r1 = tl.minimum(r0 + BLOCK_M, Sq) - 1
-    rows = r0 + tl.arange(0, BLOCK_M)
+    bh, b, h, kvh, r0, r1, rows = _query_block(Sq, H, G, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q = _load_rows(Q + b * sqb + h * sqh, rows, sqm, Sq, dims, D, not EVEN_M, EVEN_D)
     do = _load_rows(DO + b * sdb + h * sdh, rows, sdm, Sq, dims, D, not EVEN_M, EVEN_D)
@@ -213,20 +203,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
     else:
         lse2 = tl.load(LSE + stat, mask=rows < Sq, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + stat, mask=rows < Sq, other=0.0)
-    k_base = K + b * skb + kvh * skh
-    v_base = V + b * svb + kvh * svh
-    pad_base = 0  # PAD is None (a constexpr) without padding
-    if HAS_PAD:
-        pad_base = PAD + b * Sk
-    k0 = 0
-    k1 = 0
-    if DROPOUT:
-        k0, k1 = load_key(SEED)
-    ds = rows
-    de = rows
-    if VARLEN:
-        ds, de = _doc_bounds(CU, tl.minimum(rows, Sq - 1), n_docs, doc_bits)
-    b0, b1, b2, b3 = _key_ranges(r0, r1, Sk, window, ds, de, CAUSAL, WINDOW, VARLEN, BLOCK_N)
+    k_base, v_base, pad_base, k0, k1, ds, de, b0, b1, b2, b3 = _key_side(
+        K, V, PAD, CU, SEED, b, kvh, skb, skh, svb, svh, r0, r1, rows, Sq, Sk, window, n_docs, doc_bits, CAUSAL,
+        WINDOW, VARLEN, HAS_PAD, DROPOUT, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     args = (q, do, lse2, delta, k_base, v_base, skn, svn)

@@ -1,11 +1,13 @@
 """Device helpers shared by the attention kernels (triton_kernels/attention_forward.py and
 attention_backward.py): fp32-accumulating dots, row loads and stores with the head-dim and length
-masks a tile needs, document bounds from cu_seqlens, the attend test of one (row, key) pair and
-the block ranges (masked edges, unmasked interior) a program visits."""
+masks a tile needs, document bounds from cu_seqlens, the attend test of one (row, key) pair, the
+block ranges (masked edges, unmasked interior) a program visits, and the setup of a program that
+owns one query block (forward, dQ)."""
 
 import triton
 import triton.language as tl
 
+from .philox import load_key
 from .rounding import INTERPRETED, to_storage
 
 
@@ -118,3 +120,37 @@ def _key_ranges(r0, r1, Sk, window, dsq, deq, CAUSAL: tl.constexpr, WINDOW: tl.c
         lo = tl.maximum(lo, r0 - window + 1)
         full_lo = tl.maximum(full_lo, r1 - window + 1)
     return _ranges(r0, r1, lo, hi, full_lo, full_hi, BLOCK_N)
+
+
+@triton.jit
+def _query_block(Sq, H, G, BLOCK_M: tl.constexpr):
+    """The query block of this program: (b * H + h, b, h, kv head, first row, last real row, rows).
+    A head's blocks run from the last, so the longest causal rows start first."""
+    n_m = tl.cdiv(Sq, BLOCK_M)
+    pid = tl.program_id(0)
+    bh = pid // n_m
+    r0 = (n_m - 1 - pid % n_m) * BLOCK_M
+    h = bh % H
+    return (bh, (bh // H).to(tl.int64), h.to(tl.int64), (h // G).to(tl.int64), r0, tl.minimum(r0 + BLOCK_M, Sq) - 1,
+            r0 + tl.arange(0, BLOCK_M))
+
+
+@triton.jit
+def _key_side(K, V, PAD, CU, SEED, b, kvh, skb, skh, svb, svh, r0, r1, rows, Sq, Sk, window, n_docs, doc_bits,
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, HAS_PAD: tl.constexpr,
+              DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What a query block needs of the keys: k and v of its kv head, its key padding row, the Philox
+    key, its rows' document bounds and the key block ranges (masked, unmasked, masked) it visits."""
+    pad_base = 0  # PAD is None (a constexpr) without padding
+    if HAS_PAD:
+        pad_base = PAD + b * Sk
+    k0 = 0
+    k1 = 0
+    if DROPOUT:
+        k0, k1 = load_key(SEED)
+    ds = rows
+    de = rows
+    if VARLEN:
+        ds, de = _doc_bounds(CU, tl.minimum(rows, Sq - 1), n_docs, doc_bits)
+    b0, b1, b2, b3 = _key_ranges(r0, r1, Sk, window, ds, de, CAUSAL, WINDOW, VARLEN, BLOCK_N)
+    return K + b * skb + kvh * skh, V + b * svb + kvh * svh, pad_base, k0, k1, ds, de, b0, b1, b2, b3
