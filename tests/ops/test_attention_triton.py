@@ -3,7 +3,7 @@ tensors under the interpreter and, marked `cuda`, compiled on a GPU. Against flo
 attention built here: causal, sliding window, key padding, per-document (cu_seqlens) masks, GQA,
 dropout from rng.attention_keep_mask, strided (packed) q/k/v and dq/dk/dv; judged by
 tests/reference.py's rule against plain PyTorch in the same dtype. Tiny shapes: the interpreter is
-slow. On a GPU also: a grid with B*H > 65535 and a CUDA graph of a whole SelectiveDecoderLayer
+slow; with 16 x 16 tiles, and once with the sm_90 tile table a GPU launch uses. On a GPU also: a grid with B*H > 65535 and a CUDA graph of a whole SelectiveDecoderLayer
 training step with dropout (the kernels read seeds from device memory: no host sync)."""
 
 import math
@@ -118,7 +118,28 @@ CASES = {
 @interpreted
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_attention_against_float64(name):
-    B, H, Hkv, Sq, Sk, D, dtype, causal, window, padding, docs, p, packed = CASES[name]
+    check_against_float64(name, *CASES[name])
+
+
+# The sm_90 tile table (the tiles a GPU launch gets, e.g. 128 x 64 forward blocks, 64 x 128 dK/dV
+# blocks, the split dK/dV loop with empty edges), run by the interpreter on shapes a few blocks long.
+TABLE_CASES = {
+    "bf16-d64-causal-drop-lean": (1, 2, 2, 192, 192, 64, torch.bfloat16, True, 0, False, None, 0.2, False),
+    "bf16-d128-drop-lean-packed": (1, 2, 2, 128, 128, 128, torch.bfloat16, False, 0, False, None, 0.2, True),
+    "fp16-d64-gqa-window-drop-ragged": (1, 4, 2, 200, 200, 64, torch.float16, True, 70, False, None, 0.1, False),
+    "bf16-d80-pad-drop-sq-ne-sk": (2, 1, 1, 96, 136, 80, torch.bfloat16, False, 0, True, None, 0.1, False),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("name", list(TABLE_CASES))
+def test_sm90_tile_table_against_float64(name, monkeypatch):
+    monkeypatch.setattr(_tk(), "INTERPRETED", False)  # config() then answers from the sm_90 table
+    assert _tk().config("fwd", 64, torch.bfloat16)[:2] == (128, 64)
+    check_against_float64(name, *TABLE_CASES[name])
+
+
+def check_against_float64(name, B, H, Hkv, Sq, Sk, D, dtype, causal, window, padding, docs, p, packed):
     q, k, v = inputs(B, H, Hkv, Sq, Sk, D, dtype, packed)
     pad = None
     if padding:
