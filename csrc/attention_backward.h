@@ -25,7 +25,9 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
   const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
   const Acc scale = Acc(p.scale);
   Acc *Qt = w.a.data(), *dOt = w.b.data(), *Kn = w.c.data(), *Vn = w.d.data();
-  Acc *St = w.f.data(), *dPt = w.g.data(), *dQ = w.acc.data(), *keep = w.keep.data();
+  Acc *St = w.f.data(), *dPt = w.g.data(), *dQ = w.acc.data();
+  uint32_t* kbits = w.keepbits.data();
+  const Acc ks = Acc(p.keep_scale);
   Acc *lse = w.m.data(), *delta = w.l.data();
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
   uint8_t* padv = w.padv.data();
@@ -49,22 +51,28 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     pad_row(p, b, j0, nk, nk, padv);
     gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
     gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
-    if (p.t16) keep_cols(p, bh, i0, n, j0, nk, lo, hi, N, keep);
-    if (!p.t16 && tile_full(p, lo, hi, n, j0, j0 + nk)) {
+    if (p.t16) keep_tile_bits(p, bh, i0, n, j0, nk, N, kbits);
+    if (tile_full(p, lo, hi, n, j0, j0 + nk)) {
       for (int64_t r = 0; r < nk; ++r) {
         Acc *s = St + r * N, *dp = dPt + r * N;
-        for (int64_t c = 0; c < N; ++c) dp[c] = exp_nan(s[c] * scale - lse[c]) * (dp[c] - delta[c]);
+        if (p.t16) {
+          const uint32_t* kb = kbits + (r >> 3) * N;
+          for (int64_t c = 0; c < N; ++c)
+            dp[c] = exp_nan(s[c] * scale - lse[c]) * (dp[c] * keep_factor(kb[c], r & 7, ks) - delta[c]);
+        } else {
+          for (int64_t c = 0; c < N; ++c) dp[c] = exp_nan(s[c] * scale - lse[c]) * (dp[c] - delta[c]);
+        }
       }
     } else {
       for (int64_t r = 0; r < nk; ++r) {
         Acc *s = St + r * N, *dp = dPt + r * N;
         const int64_t j = j0 + r;
         const bool pj = padv[r] != 0;
-        const Acc* kr = keep + r * N;
+        const uint32_t* kb = kbits + (r >> 3) * N;
         for (int64_t c = 0; c < N; ++c) {
           const bool on = pj & (j >= lo[c]) & (j < hi[c]);
           const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
-          const Acc kf = p.t16 ? kr[c] : Acc(1);
+          const Acc kf = p.t16 ? keep_factor(kb[c], r & 7, ks) : Acc(1);
           dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
         }
       }
@@ -128,11 +136,21 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
           std::memset(static_cast<void*>(dp), 0, size_t(NK) * sizeof(Acc));
           continue;
         }
-        if (!p.t16 && p.pad == nullptr && a == 0 && e == nk) {  // the row attends the whole tile
-          for (int64_t c = 0; c < NK; ++c) {  // columns past nk feed only rows never stored
-            const Acc pr = exp_nan(s[c] * scale - lr);
-            dp[c] = pr * (dp[c] - dr);
-            s[c] = pr;
+        if (p.pad == nullptr && a == 0 && e == nk) {  // the row attends the whole tile
+          if (p.t16) {
+            keep_row(p, bh, i0 + r, j0, 0, nk, keep);
+            for (int64_t c = nk; c < NK; ++c) keep[c] = Acc(0);
+            for (int64_t c = 0; c < NK; ++c) {  // columns past nk feed only rows never stored
+              const Acc pr = exp_nan(s[c] * scale - lr);
+              dp[c] = pr * (dp[c] * keep[c] - dr);
+              s[c] = pr * keep[c];
+            }
+          } else {
+            for (int64_t c = 0; c < NK; ++c) {
+              const Acc pr = exp_nan(s[c] * scale - lr);
+              dp[c] = pr * (dp[c] - dr);
+              s[c] = pr;
+            }
           }
           continue;
         }

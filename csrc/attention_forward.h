@@ -11,7 +11,9 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
   const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
   const Acc scale = Acc(p.scale), neg_inf = -std::numeric_limits<Acc>::infinity();
   Acc *Qt = w.a.data(), *Kn = w.b.data(), *V = w.c.data(), *St = w.d.data(), *O = w.acc.data();
-  Acc *m = w.m.data(), *l = w.l.data(), *tmax = w.rowv.data(), *shift = w.rowv2.data(), *keep = w.keep.data();
+  Acc *m = w.m.data(), *l = w.l.data(), *tmax = w.rowv.data(), *shift = w.rowv2.data();
+  uint32_t* kbits = w.keepbits.data();
+  const Acc ks = Acc(p.keep_scale);
   Acc *alpha = w.e.data(), *lsum = w.f.data();
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
   uint8_t *padv = w.padv.data(), *seen = w.seen.data();
@@ -65,11 +67,16 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
       alpha[c] = exp_nan(m[c] - shift[c]);
       m[c] = mn;
     }
+    if (p.t16) keep_tile_bits(p, bh, i0, n, j0, nk, N, kbits);
     for (int64_t r = 0; r < nk; ++r) {
       Acc* s = St + r * N;
       for (int64_t c = 0; c < N; ++c) {
         s[c] = exp_nan(s[c] - shift[c]);
         lsum[c] += s[c];
+      }
+      if (p.t16) {  // dropout after the row sums; unattended entries are 0 and stay 0
+        const uint32_t* kb = kbits + (r >> 3) * N;
+        for (int64_t c = 0; c < N; ++c) s[c] *= keep_factor(kb[c], r & 7, ks);
       }
     }
     for (int64_t c = 0; c < n; ++c) {
@@ -77,13 +84,6 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
       if (!(alpha[c] == Acc(1))) {  // also for NaN, which must reach O
         Acc* orow = O + c * Dp;
         for (int64_t d = 0; d < Dp; ++d) orow[d] *= alpha[c];
-      }
-    }
-    if (p.t16) {
-      keep_cols(p, bh, i0, n, j0, nk, lo, hi, N, keep);
-      for (int64_t c = 0; c < n; ++c) {
-        const int64_t a = std::clamp(lo[c] - j0, int64_t(0), nk), e = std::clamp(hi[c] - j0, int64_t(0), nk);
-        for (int64_t r = a; r < e; ++r) St[r * N + c] *= keep[r * N + c];
       }
     }
     gemm<true>(St, N, V, Dp, M, Dp, nk, O, Dp, true);  // O += P V, P read from S^T

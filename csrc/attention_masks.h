@@ -45,35 +45,45 @@ inline void pad_row(const Problem& p, int64_t b, int64_t j0, int64_t nk, int64_t
   for (int64_t c = nk; c < ncols; ++c) padv[c] = 0;
 }
 
-// keep[c] = keep_scale if P[b, h, i, j0 + c] survives dropout else 0, for c in [a, e).
+// keep[c] = keep_scale if P[b, h, i, j0 + c] survives dropout else 0, for c in [a, e): one row of
+// keys, kPhiloxLanes groups of 8 keys per draw.
 template <class Acc>
 inline void keep_row(const Problem& p, int64_t bh, int64_t i, int64_t j0, int64_t a, int64_t e, Acc* keep) {
   const Acc ks = Acc(p.keep_scale);
-  for (int64_t g = (j0 + a) >> 3; g <= (j0 + e - 1) >> 3; ++g) {
-    const uint32_t bits = attention_keep_bits8(p.key, uint64_t(g), uint64_t(i), uint64_t(bh), p.t16);
-    for (int t = 0; t < 8; ++t) {
-      const int64_t c = g * 8 + t - j0;
-      if (c >= a && c < e) keep[c] = ((bits >> t) & 1u) ? ks : Acc(0);
+  const int64_t last = (j0 + e - 1) >> 3;
+  for (int64_t g0 = (j0 + a) >> 3; a < e && g0 <= last; g0 += kPhiloxLanes) {
+    uint32_t bits[kPhiloxLanes];
+    attention_keep_bits8_lanes(p.key, uint64_t(g0), 1, uint64_t(i), 0, uint64_t(bh), p.t16, bits);
+    const int64_t c0 = std::max(g0 * 8 - j0, a), c1 = std::min((g0 + kPhiloxLanes) * 8 - j0, e);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t t = c + j0 - g0 * 8;
+      keep[c] = ((bits[t >> 3] >> (t & 7)) & 1u) ? ks : Acc(0);
     }
   }
 }
 
-// keep[r * ld + c] = keep_scale if P[b, h, i0 + c, j0 + r] survives dropout else 0, for the keys
-// r in [a_c, e_c) each query column c < n attends (one Philox call per 8 keys).
-template <class Acc>
-inline void keep_cols(const Problem& p, int64_t bh, int64_t i0, int64_t n, int64_t j0, int64_t nk,
-                      const int64_t* lo, const int64_t* hi, int64_t ld, Acc* keep) {
-  const Acc ks = Acc(p.keep_scale);
-  for (int64_t c = 0; c < n; ++c) {
-    const int64_t a = std::clamp(lo[c] - j0, int64_t(0), nk), e = std::clamp(hi[c] - j0, int64_t(0), nk);
-    for (int64_t grp = (j0 + a) >> 3; a < e && grp <= (j0 + e - 1) >> 3; ++grp) {
-      const uint32_t bits = attention_keep_bits8(p.key, uint64_t(grp), uint64_t(i0 + c), uint64_t(bh), p.t16);
-      for (int t = 0; t < 8; ++t) {
-        const int64_t r = grp * 8 + t - j0;
-        if (r >= a && r < e) keep[r * ld + c] = ((bits >> t) & 1u) ? ks : Acc(0);
-      }
+// The dropout bits of a transposed tile: bit t of bits[g * ld + c] says whether P[b, h, i0 + c,
+// j0 + 8 g + t] survives, for every key below j0 + nk (j0 a multiple of 8) and query column c < n,
+// attended or not (the callers mask separately); 0 for the padding columns n <= c < ld. The draws
+// run over query rows, kPhiloxLanes at a time.
+inline void keep_tile_bits(const Problem& p, int64_t bh, int64_t i0, int64_t n, int64_t j0, int64_t nk, int64_t ld,
+                           uint32_t* bits) {
+  for (int64_t g = 0; g * 8 < nk; ++g) {
+    uint32_t* row = bits + g * ld;
+    for (int64_t c = 0; c < n; c += kPhiloxLanes) {
+      uint32_t lanes[kPhiloxLanes];
+      attention_keep_bits8_lanes(p.key, uint64_t((j0 >> 3) + g), 0, uint64_t(i0 + c), 1, uint64_t(bh), p.t16,
+                                 lanes);
+      for (int64_t l = 0; l < kPhiloxLanes && c + l < n; ++l) row[c + l] = lanes[l];
     }
+    for (int64_t c = n; c < ld; ++c) row[c] = 0u;
   }
+}
+
+// The keep factor of one entry from its dropout bit: keep_scale or 0 (a product, so NaN stays NaN).
+template <class Acc>
+inline Acc keep_factor(uint32_t bits, int64_t t, Acc keep_scale) {
+  return ((bits >> t) & 1u) ? keep_scale : Acc(0);
 }
 
 // Query rows i0 .. i0 + n: ranges, lse, delta per column c (columns n..N attend nothing).

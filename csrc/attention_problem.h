@@ -72,6 +72,7 @@ struct Work {
   std::vector<Acc> m, l, rowv, rowv2;
   std::vector<int64_t> lo, hi;
   std::vector<uint8_t> padv, seen;
+  std::vector<uint32_t> keepbits;  // a transposed tile's dropout bits: one word per 8 keys and query
   explicit Work(const Problem& p) {
     const int64_t T = std::max(p.BM, p.BN);
     const int64_t tile = T * std::max(T, p.Dp);  // a tile of scores or of rows
@@ -83,6 +84,7 @@ struct Work {
     hi.assign(size_t(T), 0);
     padv.assign(size_t(T), 1);
     seen.assign(size_t(T), 0);
+    keepbits.assign(size_t((p.BN + 7) / 8 * T), 0u);
   }
 };
 

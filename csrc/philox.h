@@ -10,20 +10,31 @@ constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
 constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
 
+// One round on counter words (c0, c1, c2, c3) with round key (k0, k1).
+inline void philox_round(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3, uint32_t k0, uint32_t k1) {
+  const uint64_t p0 = uint64_t(kPhiloxM0) * c0;
+  const uint64_t p1 = uint64_t(kPhiloxM1) * c2;
+  c0 = uint32_t(p1 >> 32) ^ c1 ^ k0;
+  c1 = uint32_t(p1);
+  c2 = uint32_t(p0 >> 32) ^ c3 ^ k1;
+  c3 = uint32_t(p0);
+}
+
 // Ten rounds on counter c with key (k0, k1); c is replaced by the four output words.
 inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
   for (int round = 0; round < 10; ++round) {
-    const uint64_t p0 = uint64_t(kPhiloxM0) * c[0];
-    const uint64_t p1 = uint64_t(kPhiloxM1) * c[2];
-    const uint32_t n0 = uint32_t(p1 >> 32) ^ c[1] ^ k0;
-    const uint32_t n2 = uint32_t(p0 >> 32) ^ c[3] ^ k1;
-    c[0] = n0;
-    c[1] = uint32_t(p1);
-    c[2] = n2;
-    c[3] = uint32_t(p0);
+    philox_round(c[0], c[1], c[2], c[3], k0, k1);
     k0 += kPhiloxW0;
     k1 += kPhiloxW1;
   }
+}
+
+// u[t] >= t16 for the eight 16-bit values of one call's words, as bit t.
+inline uint32_t keep_bits_of(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t t16) {
+  const uint32_t w[4] = {w0, w1, w2, w3};
+  uint32_t bits = 0;
+  for (unsigned t = 0; t < 8; ++t) bits |= uint32_t(((w[t & 3] >> (16 * (t >> 2))) & 0xffffu) >= t16) << t;
+  return bits;
 }
 
 // The seed's key: (seed & 0xffffffff, seed >> 32).
@@ -44,18 +55,33 @@ inline uint32_t keep_bits8(const PhiloxKey& key, uint32_t c0, uint32_t c1, uint3
                            uint32_t c3, uint32_t t16) {
   uint32_t w[4] = {c0, c1, c2, c3};
   philox4x32_10(w, key.k0, key.k1);
-  uint32_t bits = 0;
-  for (unsigned t = 0; t < 8; ++t) {
-    const uint32_t u = (w[t & 3] >> (16 * (t >> 2))) & 0xffffu;
-    bits |= uint32_t(u >= t16) << t;
-  }
-  return bits;
+  return keep_bits_of(w[0], w[1], w[2], w[3], t16);
 }
 
-// Attention stream: P[b, h, i, j] uses counter (j >> 3, i, b*H + h, 0).
-inline uint32_t attention_keep_bits8(const PhiloxKey& key, uint64_t col_group, uint64_t row,
-                                     uint64_t batch_head, uint32_t t16) {
-  return keep_bits8(key, uint32_t(col_group), uint32_t(row), uint32_t(batch_head), 0u, t16);
+// Attention stream: P[b, h, i, j] uses counter (j >> 3, i, b*H + h, 0). This gives the keep bits of
+// kPhiloxLanes calls side by side: lane l draws column group g0 + l * dg of row row0 + l * drow
+// (bits[l]). The lanes run with fixed trip counts, so the compiler vectorises the rounds in each of
+// the attention kernels' ISA variants (8 widening multiplies in two AVX2 instructions).
+constexpr int kPhiloxLanes = 8;
+inline void attention_keep_bits8_lanes(const PhiloxKey& key, uint64_t g0, uint64_t dg, uint64_t row0,
+                                       uint64_t drow, uint64_t batch_head, uint32_t t16,
+                                       uint32_t bits[kPhiloxLanes]) {
+  uint32_t c0[kPhiloxLanes], c1[kPhiloxLanes], c2[kPhiloxLanes], c3[kPhiloxLanes];
+  for (int l = 0; l < kPhiloxLanes; ++l) {
+    c0[l] = uint32_t(g0 + uint64_t(l) * dg);
+    c1[l] = uint32_t(row0 + uint64_t(l) * drow);
+    c2[l] = uint32_t(batch_head);
+    c3[l] = 0u;
+  }
+  uint32_t k0 = key.k0, k1 = key.k1;
+  for (int round = 0; round < 10; ++round) {
+#pragma omp simd
+    for (int l = 0; l < kPhiloxLanes; ++l) philox_round(c0[l], c1[l], c2[l], c3[l], k0, k1);
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
+  }
+#pragma omp simd
+  for (int l = 0; l < kPhiloxLanes; ++l) bits[l] = keep_bits_of(c0[l], c1[l], c2[l], c3[l], t16);
 }
 
 // Elementwise stream over [rows, cols]: counter (j >> 3, row & 0xffffffff, row >> 32, 1).
