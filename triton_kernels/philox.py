@@ -131,10 +131,10 @@ def attention_keep_bits_t(k0, k1, col0, row0, batch_head, t16, BM: tl.constexpr,
     w0, w1, w2, w3 = philox4x32_10(c0, c1, zero + batch_head.to(tl.uint32), zero, k0, k1)
     thr = t16.to(tl.uint32) << 16
     bits = _bits(w0, thr) | (_bits(w1, thr) << 1) | (_bits(w2, thr) << 2) | (_bits(w3, thr) << 3)
-    if not INTERPRETED:
-        # an opaque copy: the layout pass may not recompute Philox four times per call in the
-        # accumulator layout (which it would judge cheaper), it moves this byte instead
-        bits = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [bits], dtype=tl.int32, is_pure=False, pack=1)
+    # A sum over a size-1 axis changes nothing but anchors the layout pass, which never recomputes
+    # through a reduction: it would otherwise judge Philox four times per call in the accumulator
+    # layout cheaper than moving this byte (an opaque inline-asm copy held in Triton 3.9, not 3.6).
+    bits = tl.sum(bits[:, :, None], 2)
     # [g >> 1, g & 1, 8 (t), i] -> rows (g >> 1, t & 1, g & 1, t >> 2, (t >> 1) & 1)
     b = tl.broadcast_to(bits[:, None, :], [G, 8, BM])
     b = tl.reshape(b, [G // 2, 2, 2, 2, 2, BM])
