@@ -45,16 +45,34 @@ inline void pad_row(const Problem& p, int64_t b, int64_t j0, int64_t nk, int64_t
   for (int64_t c = nk; c < ncols; ++c) padv[c] = 0;
 }
 
+// kDrawLanes Philox calls side by side, lane l drawing group g0 + l * dg of row row0 + l * drow
+// (philox.h): 16 with AVX-512, 8 with AVX2 (both written out), 8 vectorised by the compiler else.
+constexpr int64_t kDrawLanes = kVecBytes == 64 ? 16 : 8;
+inline void draw_keep_bits(const PhiloxKey& key, uint64_t g0, uint64_t dg, uint64_t row0, uint64_t drow, uint64_t bh,
+                           uint32_t t16, uint32_t* bits) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (kVecBytes == 64) {
+    attention_keep_bits8_x16(key, g0, dg, row0, drow, bh, t16, bits);
+    return;
+  } else if constexpr (kVecBytes == 32) {
+    attention_keep_bits8_x8(key, g0, dg, row0, drow, bh, t16, bits);
+    return;
+  }
+#endif
+  static_assert(kDrawLanes == kPhiloxLanes || kVecBytes > 16, "the portable draw has kPhiloxLanes lanes");
+  attention_keep_bits8_lanes(key, g0, dg, row0, drow, bh, t16, bits);
+}
+
 // keep[c] = keep_scale if P[b, h, i, j0 + c] survives dropout else 0, for c in [a, e): one row of
-// keys, kPhiloxLanes groups of 8 keys per draw.
+// keys, kDrawLanes groups of 8 keys per draw.
 template <class Acc>
 inline void keep_row(const Problem& p, int64_t bh, int64_t i, int64_t j0, int64_t a, int64_t e, Acc* keep) {
   const Acc ks = Acc(p.keep_scale);
   const int64_t last = (j0 + e - 1) >> 3;
-  for (int64_t g0 = (j0 + a) >> 3; a < e && g0 <= last; g0 += kPhiloxLanes) {
-    uint32_t bits[kPhiloxLanes];
-    attention_keep_bits8_lanes(p.key, uint64_t(g0), 1, uint64_t(i), 0, uint64_t(bh), p.t16, bits);
-    const int64_t c0 = std::max(g0 * 8 - j0, a), c1 = std::min((g0 + kPhiloxLanes) * 8 - j0, e);
+  for (int64_t g0 = (j0 + a) >> 3; a < e && g0 <= last; g0 += kDrawLanes) {
+    uint32_t bits[kDrawLanes];
+    draw_keep_bits(p.key, uint64_t(g0), 1, uint64_t(i), 0, uint64_t(bh), p.t16, bits);
+    const int64_t c0 = std::max(g0 * 8 - j0, a), c1 = std::min((g0 + kDrawLanes) * 8 - j0, e);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t t = c + j0 - g0 * 8;
       keep[c] = ((bits[t >> 3] >> (t & 7)) & 1u) ? ks : Acc(0);
@@ -65,16 +83,15 @@ inline void keep_row(const Problem& p, int64_t bh, int64_t i, int64_t j0, int64_
 // The dropout bits of a transposed tile: bit t of bits[g * ld + c] says whether P[b, h, i0 + c,
 // j0 + 8 g + t] survives, for every key below j0 + nk (j0 a multiple of 8) and query column c < n,
 // attended or not (the callers mask separately); 0 for the padding columns n <= c < ld. The draws
-// run over query rows, kPhiloxLanes at a time.
+// run over query rows, kDrawLanes at a time.
 inline void keep_tile_bits(const Problem& p, int64_t bh, int64_t i0, int64_t n, int64_t j0, int64_t nk, int64_t ld,
                            uint32_t* bits) {
   for (int64_t g = 0; g * 8 < nk; ++g) {
     uint32_t* row = bits + g * ld;
-    for (int64_t c = 0; c < n; c += kPhiloxLanes) {
-      uint32_t lanes[kPhiloxLanes];
-      attention_keep_bits8_lanes(p.key, uint64_t((j0 >> 3) + g), 0, uint64_t(i0 + c), 1, uint64_t(bh), p.t16,
-                                 lanes);
-      for (int64_t l = 0; l < kPhiloxLanes && c + l < n; ++l) row[c + l] = lanes[l];
+    for (int64_t c = 0; c < n; c += kDrawLanes) {
+      uint32_t lanes[kDrawLanes];
+      draw_keep_bits(p.key, uint64_t((j0 >> 3) + g), 0, uint64_t(i0 + c), 1, uint64_t(bh), p.t16, lanes);
+      for (int64_t l = 0; l < kDrawLanes && c + l < n; ++l) row[c + l] = lanes[l];
     }
     for (int64_t c = n; c < ld; ++c) row[c] = 0u;
   }

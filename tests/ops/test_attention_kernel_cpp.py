@@ -364,3 +364,31 @@ def test_every_compiled_isa(isa):
         check(1, 4, 2, 96, 96, 64, torch.float16, True, 5, cu=[0, 1, 40, 40, 96], p=0.17)
     finally:
         _C.attention_use_isa(old)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_dropout_masks_are_the_contract_on_every_isa(isa):
+    """The keep bits each pass draws (16 or 8 Philox calls side by side per ISA), read off exactly:
+    with q = k = 0 and v = I, o is the kept P; with dO = I, dV[j, i] != 0 iff P[i, j] is kept."""
+    import selective_ckpt
+
+    try:
+        old = _C.attention_use_isa(isa)
+    except ValueError:
+        pytest.skip(f"this CPU does not run {isa}")
+    try:
+        for B, H, Sq, Sk, causal, seed in ((2, 3, 37, 150, False, 2**64 - 5), (1, 2, 130, 77, False, 7),
+                                           (1, 1, 200, 200, True, 0x1234_5678_9ABC)):
+            D, p = max(Sq, Sk), 0.3
+            want = rng.attention_keep_mask(seed, B, H, Sq, Sk, p)
+            if causal:
+                want &= torch.ones(Sq, Sk, dtype=torch.bool).tril()
+            q = torch.zeros(B, H, Sq, D, requires_grad=True)
+            k = torch.zeros(B, H, Sk, D, requires_grad=True)
+            v = torch.eye(Sk, D).expand(B, H, Sk, D).contiguous().requires_grad_()
+            o = selective_ckpt.attention(q, k, v, dropout_p=p, seed=seed, causal=causal)
+            assert torch.equal(o[..., :Sk] != 0, want), (B, H, Sq, Sk, causal)
+            o.backward(torch.eye(Sq, D).expand(B, H, Sq, D))
+            assert torch.equal(v.grad[..., :Sq].transpose(-1, -2) != 0, want), (B, H, Sq, Sk, causal)
+    finally:
+        _C.attention_use_isa(old)
