@@ -95,6 +95,8 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
   const Acc scale = Acc(p.scale), inf = std::numeric_limits<Acc>::infinity();
   Acc *Kt = w.a.data(), *Vt = w.b.data(), *Qn = w.c.data(), *dOn = w.d.data();
   Acc *S = w.e.data(), *dP = w.f.data(), *keep = w.keep.data();
+  uint32_t* kbits = w.keepbits.data();
+  const Acc ks = Acc(p.keep_scale);
   const int64_t tile = int64_t(w.acc.size() / 3);
   Acc *dK = w.acc.data(), *dV = dK + tile;
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
@@ -127,6 +129,7 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
       load_rows(db + i0 * D, D, n, M, D, Dp, dOn);
       gemm(Qn, Dp, Kt, NK, M, NK, D, S, NK, false);    // S = Q K^T
       gemm(dOn, Dp, Vt, NK, M, NK, D, dP, NK, false);  // dP = dO V^T
+      if (p.t16) keep_tile_bits(p, bh, i0, n, j0, nk, BM, kbits);  // bit c & 7 of kbits[(c >> 3) * BM + r]
       for (int64_t r = 0; r < n; ++r) {
         Acc *s = S + r * NK, *dp = dP + r * NK;
         const int64_t a = std::clamp(lo[r] - j0, int64_t(0), nk), e = std::clamp(hi[r] - j0, int64_t(0), nk);
@@ -138,13 +141,13 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
         }
         if (p.pad == nullptr && a == 0 && e == nk) {  // the row attends the whole tile
           if (p.t16) {
-            keep_row(p, bh, i0 + r, j0, 0, nk, keep);
-            for (int64_t c = nk; c < NK; ++c) keep[c] = Acc(0);
-            for (int64_t c = 0; c < NK; ++c) {  // columns past nk feed only rows never stored
+            keep_row_of(kbits, BM, r, nk, ks, keep);
+            for (int64_t c = 0; c < nk; ++c) {
               const Acc pr = exp_nan(s[c] * scale - lr);
               dp[c] = pr * (dp[c] * keep[c] - dr);
               s[c] = pr * keep[c];
             }
+            for (int64_t c = nk; c < NK; ++c) dp[c] = s[c] = Acc(0);  // columns past nk: keys that do not exist
           } else {
             for (int64_t c = 0; c < NK; ++c) {
               const Acc pr = exp_nan(s[c] * scale - lr);
@@ -155,7 +158,7 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
           continue;
         }
         if (p.t16) {
-          keep_row(p, bh, i0 + r, j0, a, e, keep);
+          keep_row_of(kbits, BM, r, nk, ks, keep);
           for (int64_t c = a; c < e; ++c) dp[c] *= keep[c];
         }
         for (int64_t c = 0; c < NK; ++c) {

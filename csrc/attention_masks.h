@@ -63,27 +63,10 @@ inline void draw_keep_bits(const PhiloxKey& key, uint64_t g0, uint64_t dg, uint6
   attention_keep_bits8_lanes(key, g0, dg, row0, drow, bh, t16, bits);
 }
 
-// keep[c] = keep_scale if P[b, h, i, j0 + c] survives dropout else 0, for c in [a, e): one row of
-// keys, kDrawLanes groups of 8 keys per draw.
-template <class Acc>
-inline void keep_row(const Problem& p, int64_t bh, int64_t i, int64_t j0, int64_t a, int64_t e, Acc* keep) {
-  const Acc ks = Acc(p.keep_scale);
-  const int64_t last = (j0 + e - 1) >> 3;
-  for (int64_t g0 = (j0 + a) >> 3; a < e && g0 <= last; g0 += kDrawLanes) {
-    uint32_t bits[kDrawLanes];
-    draw_keep_bits(p.key, uint64_t(g0), 1, uint64_t(i), 0, uint64_t(bh), p.t16, bits);
-    const int64_t c0 = std::max(g0 * 8 - j0, a), c1 = std::min((g0 + kDrawLanes) * 8 - j0, e);
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t t = c + j0 - g0 * 8;
-      keep[c] = ((bits[t >> 3] >> (t & 7)) & 1u) ? ks : Acc(0);
-    }
-  }
-}
-
-// The dropout bits of a transposed tile: bit t of bits[g * ld + c] says whether P[b, h, i0 + c,
-// j0 + 8 g + t] survives, for every key below j0 + nk (j0 a multiple of 8) and query column c < n,
-// attended or not (the callers mask separately); 0 for the padding columns n <= c < ld. The draws
-// run over query rows, kDrawLanes at a time.
+// The dropout bits of a tile: bit t of bits[g * ld + c] says whether P[b, h, i0 + c, j0 + 8 g + t]
+// survives, for every key below j0 + nk (j0 a multiple of 8) and query c < n, attended or not (the
+// callers mask separately); 0 for the padding queries n <= c < ld. The draws run over queries,
+// kDrawLanes at a time, which fills the vector whatever the tile's width in keys.
 inline void keep_tile_bits(const Problem& p, int64_t bh, int64_t i0, int64_t n, int64_t j0, int64_t nk, int64_t ld,
                            uint32_t* bits) {
   for (int64_t g = 0; g * 8 < nk; ++g) {
@@ -94,6 +77,16 @@ inline void keep_tile_bits(const Problem& p, int64_t bh, int64_t i0, int64_t n, 
       for (int64_t l = 0; l < kDrawLanes && c + l < n; ++l) row[c + l] = lanes[l];
     }
     for (int64_t c = n; c < ld; ++c) row[c] = 0u;
+  }
+}
+
+// keep[c] = the keep factor of key j0 + c for query row r of a tile whose bits keep_tile_bits drew
+// with leading dimension ld, for c < nk: one row unpacked for contiguous use.
+template <class Acc>
+inline void keep_row_of(const uint32_t* bits, int64_t ld, int64_t r, int64_t nk, Acc keep_scale, Acc* keep) {
+  for (int64_t g = 0; g * 8 < nk; ++g) {
+    const uint32_t word = bits[g * ld + r];
+    for (int64_t t = 0; t < 8; ++t) keep[g * 8 + t] = ((word >> t) & 1u) ? keep_scale : Acc(0);
   }
 }
 

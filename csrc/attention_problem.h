@@ -72,19 +72,19 @@ struct Work {
   std::vector<Acc> m, l, rowv, rowv2;
   std::vector<int64_t> lo, hi;
   std::vector<uint8_t> padv, seen;
-  std::vector<uint32_t> keepbits;  // a transposed tile's dropout bits: one word per 8 keys and query
+  std::vector<uint32_t> keepbits;  // a tile's dropout bits: one word per 8 keys and query
   explicit Work(const Problem& p) {
     const int64_t T = std::max(p.BM, p.BN);
     const int64_t tile = T * std::max(T, p.Dp);  // a tile of scores or of rows
     for (auto* v : {&a, &b, &c, &d, &e, &f, &g}) v->assign(size_t(tile), Acc(0));
     acc.assign(size_t(3 * tile), Acc(0));  // dK/dV pass: dP^T, dK, dV
-    keep.assign(size_t(p.BM * p.BN), Acc(1));
     for (auto* v : {&m, &l, &rowv, &rowv2}) v->assign(size_t(T), Acc(0));
     lo.assign(size_t(T), 0);
     hi.assign(size_t(T), 0);
     padv.assign(size_t(T), 1);
     seen.assign(size_t(T), 0);
     keepbits.assign(size_t((p.BN + 7) / 8 * T), 0u);
+    keep.assign(size_t(T), Acc(0));  // one row's keep factors, unpacked from keepbits
   }
 };
 
