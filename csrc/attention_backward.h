@@ -16,6 +16,24 @@ void delta_rows(const Problem& p, int64_t bh, float* delta) {
   }
 }
 
+// dS^T = P^T * (dP^T * keep - delta) over key row r of a dQ tile (N query columns), P^T from the
+// scores s: in a full tile every entry is attended; otherwise by the ranges and padding. Four
+// specialisations, so that the loops without dropout or masks carry neither.
+template <bool kFull, bool kDrop, class Acc>
+inline void dq_row(Acc* s, Acc* dp, int64_t N, int64_t j, bool pj, const int64_t* lo, const int64_t* hi,
+                   const Acc* lse, const Acc* delta, Acc scale, const uint32_t* kb, int64_t t, Acc ks) {
+  for (int64_t c = 0; c < N; ++c) {
+    const Acc kf = kDrop ? keep_factor(kb[c], t, ks) : Acc(1);
+    if (kFull) {
+      dp[c] = exp_nan(s[c] * scale - lse[c]) * (dp[c] * kf - delta[c]);
+    } else {
+      const bool on = pj & (j >= lo[c]) & (j < hi[c]);
+      const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
+      dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
+    }
+  }
+}
+
 // dQ of one query tile of one head: dQ = scale * sum over key tiles of dS K. Like the forward,
 // S^T and dP^T are formed key-major from Q^T and dO^T, transposed once per tile.
 template <class T>
@@ -52,30 +70,14 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
     gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
     if (p.t16) keep_tile_bits(p, bh, i0, n, j0, nk, N, kbits);
-    if (tile_full(p, lo, hi, n, j0, j0 + nk)) {
-      for (int64_t r = 0; r < nk; ++r) {
-        Acc *s = St + r * N, *dp = dPt + r * N;
-        if (p.t16) {
-          const uint32_t* kb = kbits + (r >> 3) * N;
-          for (int64_t c = 0; c < N; ++c)
-            dp[c] = exp_nan(s[c] * scale - lse[c]) * (dp[c] * keep_factor(kb[c], r & 7, ks) - delta[c]);
-        } else {
-          for (int64_t c = 0; c < N; ++c) dp[c] = exp_nan(s[c] * scale - lse[c]) * (dp[c] - delta[c]);
-        }
-      }
-    } else {
-      for (int64_t r = 0; r < nk; ++r) {
-        Acc *s = St + r * N, *dp = dPt + r * N;
-        const int64_t j = j0 + r;
-        const bool pj = padv[r] != 0;
-        const uint32_t* kb = kbits + (r >> 3) * N;
-        for (int64_t c = 0; c < N; ++c) {
-          const bool on = pj & (j >= lo[c]) & (j < hi[c]);
-          const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
-          const Acc kf = p.t16 ? keep_factor(kb[c], r & 7, ks) : Acc(1);
-          dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
-        }
-      }
+    const bool full = tile_full(p, lo, hi, n, j0, j0 + nk);
+    for (int64_t r = 0; r < nk; ++r) {
+      Acc *s = St + r * N, *dp = dPt + r * N;
+      const uint32_t* kb = kbits + (r >> 3) * N;
+      const bool pj = padv[r] != 0;
+      const auto row = full ? (p.t16 ? &dq_row<true, true, Acc> : &dq_row<true, false, Acc>)
+                            : (p.t16 ? &dq_row<false, true, Acc> : &dq_row<false, false, Acc>);
+      row(s, dp, N, j0 + r, pj, lo, hi, lse, delta, scale, kb, r & 7, ks);
     }
     gemm<true>(dPt, N, Kn, Dp, M, Dp, nk, dQ, Dp, true);  // dQ += dS K, dS read from dS^T
   }
