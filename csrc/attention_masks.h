@@ -67,8 +67,9 @@ inline void draw_keep_bits(const PhiloxKey& key, uint64_t g0, uint64_t dg, uint6
 // survives, for every key below j0 + nk (j0 a multiple of 8) and query c < n, attended or not (the
 // callers mask separately); 0 for the padding queries n <= c < ld. The draws run over queries,
 // kDrawLanes at a time, which fills the vector whatever the tile's width in keys.
-__attribute__((noinline)) inline void keep_tile_bits(const Problem& p, int64_t bh, int64_t i0, int64_t n, int64_t j0, int64_t nk, int64_t ld,
-                           uint32_t* bits) {
+// Out of line: it runs once per tile and would only grow the callers' hot loops.
+__attribute__((noinline)) inline void keep_tile_bits(const Problem& p, int64_t bh, int64_t i0, int64_t n,
+                                                     int64_t j0, int64_t nk, int64_t ld, uint32_t* bits) {
   for (int64_t g = 0; g * 8 < nk; ++g) {
     uint32_t* row = bits + g * ld;
     for (int64_t c = 0; c < n; c += kDrawLanes) {
