@@ -2,9 +2,10 @@
 tensors under the interpreter and, marked `cuda`, compiled on a GPU. Against float64 eager
 attention built here: causal, sliding window, key padding, per-document (cu_seqlens) masks, GQA,
 dropout from rng.attention_keep_mask, strided (packed) q/k/v and dq/dk/dv; judged by
-tests/reference.py's rule against plain PyTorch in the same dtype. Tiny shapes: the interpreter is
-slow; with 16 x 16 tiles, and once with the sm_90 tile table a GPU launch uses. On a GPU also: a grid with B*H > 65535 and a CUDA graph of a whole SelectiveDecoderLayer
-training step with dropout (the kernels read seeds from device memory: no host sync)."""
+tests/reference.py's rule against plain PyTorch in the same dtype. Tiny shapes, since the
+interpreter is slow: with 16 x 16 tiles, and once with the sm_90 tile table a GPU launch uses. On
+a GPU also: a grid with B*H > 65535 and a CUDA graph of a whole SelectiveDecoderLayer training
+step with dropout (the kernels read seeds from device memory: no host sync)."""
 
 import math
 
