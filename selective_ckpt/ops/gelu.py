@@ -12,6 +12,7 @@ other autograd code (selective_ckpt/fused.py, which saves the norm input instead
 """
 
 import torch
+import torch.nn.functional as F
 
 from .. import backend, rng
 from ..double_backward import first_order_only
@@ -91,11 +92,6 @@ def check_mlp_args(x, w1, b1, w2, b2):
     return x.shape[-1], hidden, out
 
 
-def _linear(inp, w, b):
-    """inp @ w^T (+ b) on a 2-D input, the bias added inside the matmul like nn.Linear's."""
-    return torch.addmm(b, inp, w.t()) if b is not None else inp @ w.t()
-
-
 def mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation):
     """Forward of the GELU-MLP without autograd; returns (y, h, a_or_None).
 
@@ -109,9 +105,9 @@ def mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activatio
     Dropout follows the contract's elementwise stream over y viewed as [rows, out].
     """
     lead = x.shape[:-1]
-    h = _linear(x.reshape(-1, x.shape[-1]), w1, b1)
+    h = F.linear(x.reshape(-1, x.shape[-1]), w1, b1)
     a = gelu_op(h, approximate)
-    y = _linear(a, w2, b2)
+    y = F.linear(a, w2, b2)
     if dropout_p:
         y = dropout_op(y, float(dropout_p), seed)
     hidden, out = w1.shape[0], w2.shape[0]

@@ -14,6 +14,7 @@ autograd building block that keeps gate and up only.
 """
 
 import torch
+import torch.nn.functional as F
 
 from .. import backend, rng
 from ..double_backward import first_order_only
@@ -135,11 +136,6 @@ def check_gated_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
     return n_in, ffn, out
 
 
-def _linear(inp, w, b):
-    """inp @ w^T (+ b) on a 2-D input, the bias added inside the matmul like nn.Linear's."""
-    return torch.addmm(b, inp, w.t()) if b is not None else inp @ w.t()
-
-
 def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, dropout_p, activation, seed, store_product):
     """Forward without autograd; returns (y, gate, up, a_or_None).
 
@@ -150,10 +146,10 @@ def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, dropout_p, 
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    gate = _linear(x2, w_gate, b_gate)
-    up = _linear(x2, w_up, b_up)
+    gate = F.linear(x2, w_gate, b_gate)
+    up = F.linear(x2, w_up, b_up)
     a = gated_product_op(gate, up, activation)
-    y = _linear(a, w_down, b_down)
+    y = F.linear(a, w_down, b_down)
     if dropout_p:
         y = dropout_op(y, float(dropout_p), seed)
     ffn, out = w_gate.shape[0], w_down.shape[0]
