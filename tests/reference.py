@@ -18,3 +18,22 @@ def assert_within_rule(ours, eager, ref64, factor, floor=1e-5, name="output"):
     ours_err, eager_err = max_err(ours, ref64), max_err(eager, ref64)
     bound = factor * eager_err + floor
     assert ours_err <= bound, f"{name}: error {ours_err:.3e} > {factor} x eager's {eager_err:.3e} + {floor:.0e}"
+
+
+def attention_allowed(B, Sq, Sk, causal=False, window=0, pad=None, cu=None):
+    """Bool [B, 1, Sq, Sk]: which keys each query may attend under the attention semantics of
+    docs/DESIGN.md (causal, sliding window, documents from cu_seqlens, key padding [B, Sk])."""
+    i = torch.arange(Sq)[:, None]
+    j = torch.arange(Sk)[None, :]
+    ok = torch.ones(Sq, Sk, dtype=torch.bool)
+    if causal:
+        ok &= j <= i
+    if window:
+        ok &= j > i - window
+    if cu is not None:
+        doc = torch.bucketize(torch.arange(Sq), torch.as_tensor(cu)[1:].long(), right=True)
+        ok &= doc[:, None] == doc[None, :]
+    ok = ok.expand(B, 1, Sq, Sk)
+    if pad is not None:
+        ok = ok & pad[:, None, None, :]
+    return ok

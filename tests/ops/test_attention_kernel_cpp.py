@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from selective_ckpt import backend, rng
-from tests.reference import assert_within_rule
+from tests.reference import assert_within_rule, attention_allowed
 
 _C = backend._C
 CODES = backend.DTYPE_CODES
@@ -67,24 +67,6 @@ def kernel_backward(do, q, k, v, o, lse, mask=None, cu=None, causal=False, windo
     return dq, dk, dv
 
 
-def allowed(B, Sq, Sk, mask=None, cu=None, causal=False, window=0):
-    """Bool [B, 1, Sq, Sk]: query i may attend key j."""
-    i = torch.arange(Sq)[:, None]
-    j = torch.arange(Sk)[None, :]
-    allow = torch.ones(Sq, Sk, dtype=torch.bool)
-    if causal:
-        allow &= j <= i
-    if window:
-        allow &= j > i - window
-    if cu is not None:
-        doc = torch.bucketize(torch.arange(Sq), torch.tensor(cu[1:]), right=True)
-        allow &= doc[:, None] == doc[None, :]
-    allow = allow[None, None].expand(B, 1, Sq, Sk)
-    if mask is not None:
-        allow = allow & mask[:, None, None, :]
-    return allow
-
-
 def reference(q, k, v, allow, scale, p=0.0, seed=0):
     """Eager attention in q's dtype with a materialised softmax (rows attending nothing give 0)."""
     B, H, Sq, D = q.shape
@@ -130,7 +112,7 @@ def check(B, H, Hkv, Sq, Sk, D, dtype, causal=False, window=0, pad=False, empty=
         mask[:, 0] = True
         if empty:
             mask[0] = False  # batch 0 attends nothing
-    allow = allowed(B, Sq, Sk, mask, cu, causal, window)
+    allow = attention_allowed(B, Sq, Sk, causal, window, mask, cu)
     sc = D**-0.5 if scale is None else scale
     grad = torch.randn(B, H, Sq, D, generator=torch.Generator().manual_seed(7))
     kw = dict(mask=mask, cu=cu, causal=causal, window=window, scale=scale, p=p, seed=seed)
@@ -268,7 +250,7 @@ def test_fp16_large_logits_stay_finite():
     o, lse = kernel_forward(q, k, v)
     dq, dk, dv = kernel_backward(torch.randn(2, 2, 77, 64).half(), q, k, v, o, lse)
     assert all(torch.isfinite(t).all() for t in (o, lse, dq, dk, dv))
-    ref = reference(q.double(), k.double(), v.double(), allowed(2, 77, 77), 64**-0.5)
+    ref = reference(q.double(), k.double(), v.double(), attention_allowed(2, 77, 77), 64**-0.5)
     assert (o.double() - ref).abs().max() < 0.05 * ref.abs().max()
 
 
@@ -303,7 +285,7 @@ def test_inf_key_gives_nan_like_sdpa():
 
 def test_float64_inputs():
     q, k, v = make(1, 2, 1, 33, 45, 24, torch.float64)
-    allow = allowed(1, 33, 45, causal=True, window=7)
+    allow = attention_allowed(1, 33, 45, causal=True, window=7)
     o, lse = kernel_forward(q, k, v, causal=True, window=7, p=0.17, seed=5)
     grad = torch.randn(1, 2, 33, 24, dtype=torch.float64)
     ref = with_grads(lambda a, b, c: reference(a, b, c, allow, 24**-0.5, 0.17, 5), q, k, v, grad)
@@ -342,7 +324,7 @@ def test_public_attention_is_the_kernel(case):
     direct = (o, *kernel_backward(grad, q, k, v, o, lse, **kw))
     for x, y in zip(public, direct):
         assert torch.equal(x, y)
-    allow = allowed(B, S, S, mask, cu, case["causal"], case["window"])
+    allow = attention_allowed(B, S, S, case["causal"], case["window"], mask, cu)
     ref = with_grads(lambda a, b, c: reference(a, b, c, allow, D**-0.5, case["p"], 21), q.double(), k.double(),
                      v.double(), grad)
     same = with_grads(lambda a, b, c: reference(a, b, c, allow, D**-0.5, case["p"], 21), q, k, v, grad)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from selective_ckpt import rng
-from tests.reference import assert_within_rule
+from tests.reference import assert_within_rule, attention_allowed
 
 # Triton on CPU tensors runs interpreted, which conftest turns on only without a GPU; with one, the
 # cuda-marked tests at the end run the compiled kernels on the same cases.
@@ -32,31 +32,13 @@ def _seed_tensor(seed):
     return seed_tensor(seed, "cpu")
 
 
-def allowed(B, Sq, Sk, causal, window, pad, cu):
-    """Bool [B, 1, Sq, Sk]: which keys each query attends."""
-    i = torch.arange(Sq)[:, None]
-    j = torch.arange(Sk)[None, :]
-    ok = torch.ones(Sq, Sk, dtype=torch.bool)
-    if causal:
-        ok &= j <= i
-    if window:
-        ok &= j > i - window
-    if cu is not None:
-        doc = torch.bucketize(torch.arange(Sq), cu[1:].long(), right=True)
-        ok &= doc[:, None] == doc[None, :]
-    ok = ok.expand(B, 1, Sq, Sk)
-    if pad is not None:
-        ok = ok & pad[:, None, None, :]
-    return ok
-
-
 def eager(q, k, v, causal=False, window=0, pad=None, cu=None, p=0.0, seed=0, scale=None):
     """Materialised attention in q's dtype; GQA by repeating k, v (the reference only)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
     scale = D**-0.5 if scale is None else scale
-    ok = allowed(B, Sq, Sk, causal, window, pad, cu)
+    ok = attention_allowed(B, Sq, Sk, causal, window, pad, cu)
     anything = ok.any(-1, keepdim=True)
     s = torch.where(anything, ((q @ k.transpose(-1, -2)) * scale).masked_fill(~ok, -math.inf), 0.0)
     probs = torch.softmax(s, -1) * anything  # a row with nothing to attend gives 0
@@ -162,7 +144,7 @@ def check_against_float64(name, B, H, Hkv, Sq, Sk, D, dtype, causal, window, pad
             assert (x.double() - r).abs().max() < 2e-5, nm
 
     # lse: natural log of the scaled, masked scores' exp-sum; +inf where nothing is attended
-    ok = allowed(B, Sq, Sk, causal, window, pad, cu)
+    ok = attention_allowed(B, Sq, Sk, causal, window, pad, cu)
     s = (q.double() @ k.double().repeat_interleave(H // Hkv, 1).transpose(-1, -2)) * scale
     want = torch.logsumexp(s.masked_fill(~ok, -math.inf), -1)
     want = torch.where(ok.any(-1), want, math.inf)
