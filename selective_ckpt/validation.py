@@ -21,6 +21,30 @@ def check_floating(t, name):
         raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
 
 
+def check_operands(x, named):
+    """x and the (name, tensor) pairs are floating; every tensor shares x's dtype and device."""
+    check_floating(x, "x")
+    for name, t in named:
+        check_floating(t, name)
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
+
+
+def check_linear(w, b, names, dims, n_in, in_source):
+    """An nn.Linear weight w [out, in] with in = n_in (in_source says where n_in comes from) and bias
+    b [out] or None. names: (weight name, bias name); dims: (out symbol, in symbol). Returns out."""
+    (w_name, b_name), (out_sym, in_sym) = names, dims
+    if w.dim() != 2 or w.shape[1] != n_in:
+        raise ValueError(f"{w_name} must have shape [{out_sym}, {in_sym}] with {in_sym} = {in_source} = {n_in}, "
+                         f"got {list(w.shape)}")
+    out = w.shape[0]
+    if b is not None and tuple(b.shape) != (out,):
+        raise ValueError(f"{b_name} must have shape [{out_sym}] = [{out}], got {list(b.shape)}")
+    return out
+
+
 def check_norm_args(x, weight, bias, eps):
     """Operands of a norm over x's last dim: weight (and bias, if any) of that length on x's device."""
     check_floating(x, "x")

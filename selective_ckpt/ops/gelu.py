@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .. import backend, rng
 from ..double_backward import first_order_only
-from ..validation import check_choice, check_floating
+from ..validation import check_choice, check_linear, check_operands
 from .dropout import dropout_op
 
 __all__ = ["gelu_mlp", "mlp_forward", "mlp_backward", "check_mlp_args"]
@@ -67,28 +67,11 @@ def _(grad, h, approximate):
 
 def check_mlp_args(x, w1, b1, w2, b2):
     """Validates the operands of gelu_mlp (nn.Linear layout); returns (in, hidden, out)."""
-    named = [("x", x), ("w1", w1), ("w2", w2)] + [(n, b) for n, b in (("b1", b1), ("b2", b2)) if b is not None]
-    for name, t in named:
-        check_floating(t, name)
-    for name, t in named[1:]:
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
+    check_operands(x, [(n, t) for n, t in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)) if t is not None])
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have shape [..., in] with in >= 1, got {list(x.shape)}")
-    if w1.dim() != 2 or w1.shape[1] != x.shape[-1]:
-        raise ValueError(f"w1 must have shape [hidden, in] with in = x.shape[-1] = {x.shape[-1]}, "
-                         f"got {list(w1.shape)}")
-    hidden = w1.shape[0]
-    if b1 is not None and tuple(b1.shape) != (hidden,):
-        raise ValueError(f"b1 must have shape [hidden] = [{hidden}], got {list(b1.shape)}")
-    if w2.dim() != 2 or w2.shape[1] != hidden:
-        raise ValueError(f"w2 must have shape [out, hidden] with hidden = w1.shape[0] = {hidden}, "
-                         f"got {list(w2.shape)}")
-    out = w2.shape[0]
-    if b2 is not None and tuple(b2.shape) != (out,):
-        raise ValueError(f"b2 must have shape [out] = [{out}], got {list(b2.shape)}")
+    hidden = check_linear(w1, b1, ("w1", "b1"), ("hidden", "in"), x.shape[-1], "x.shape[-1]")
+    out = check_linear(w2, b2, ("w2", "b2"), ("out", "hidden"), hidden, "w1.shape[0]")
     return x.shape[-1], hidden, out
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import backend, rng
 from ..double_backward import first_order_only
-from ..validation import check_choice, check_floating
+from ..validation import check_choice, check_floating, check_linear, check_operands
 from .dropout import dropout_op
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_product", "swiglu_mlp", "check_gated_mlp_args"]
@@ -107,32 +107,17 @@ def gated_product(gate, up, activation="silu"):
 
 def check_gated_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
     """Validates the operands of swiglu_mlp (nn.Linear layout); returns (in, ffn, out)."""
-    named = [("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]
-    named += [(n, b) for n, b in (("b_gate", b_gate), ("b_up", b_up), ("b_down", b_down)) if b is not None]
-    for name, t in named:
-        check_floating(t, name)
-    for name, t in named[1:]:
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
+    named = [("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("b_gate", b_gate), ("b_up", b_up),
+             ("b_down", b_down)]
+    check_operands(x, [(n, t) for n, t in named if t is not None])
     if x.dim() < 1:
         raise ValueError("x must have shape [..., in], got a 0-dim tensor")
     n_in = x.shape[-1]
-    if w_gate.dim() != 2 or w_gate.shape[1] != n_in:
-        raise ValueError(f"w_gate must have shape [ffn, in] with in = x.shape[-1] = {n_in}, got {list(w_gate.shape)}")
-    ffn = w_gate.shape[0]
+    ffn = check_linear(w_gate, b_gate, ("w_gate", "b_gate"), ("ffn", "in"), n_in, "x.shape[-1]")
     if w_up.shape != w_gate.shape:
         raise ValueError(f"w_up must have w_gate's shape {list(w_gate.shape)}, got {list(w_up.shape)}")
-    for name, b in (("b_gate", b_gate), ("b_up", b_up)):
-        if b is not None and tuple(b.shape) != (ffn,):
-            raise ValueError(f"{name} must have shape [ffn] = [{ffn}], got {list(b.shape)}")
-    if w_down.dim() != 2 or w_down.shape[1] != ffn:
-        raise ValueError(f"w_down must have shape [out, ffn] with ffn = w_gate.shape[0] = {ffn}, "
-                         f"got {list(w_down.shape)}")
-    out = w_down.shape[0]
-    if b_down is not None and tuple(b_down.shape) != (out,):
-        raise ValueError(f"b_down must have shape [out] = [{out}], got {list(b_down.shape)}")
+    check_linear(w_up, b_up, ("w_up", "b_up"), ("ffn", "in"), n_in, "x.shape[-1]")
+    out = check_linear(w_down, b_down, ("w_down", "b_down"), ("out", "ffn"), ffn, "w_gate.shape[0]")
     return n_in, ffn, out
 
 
