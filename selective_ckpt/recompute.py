@@ -8,26 +8,44 @@ tensor, so nothing keeps y alive once the forward has moved on. The first consum
 unpacks the placeholder calls `rebuild(*args)` once under no_grad; every other consumer of the same
 y (q, k, v projections, LoRA A) shares that result, which dies with the last placeholder.
 
+Consumers often save a *copy* of y rather than y: under autocast each Linear saves its own 16-bit
+cast, PEFT casts its input to the adapter's dtype, LoRA dropout makes a new tensor. So that these
+copies are rebuilt too, a scope can watch dtype casts (`aten._to_copy`, below autograd, so casts
+by autocast count as well): a cast of a registered output is registered in turn, rebuilt as the
+cast of the rebuilt output (the same bits as the cast the consumer saved), and `source(x)` hands a
+derived output's producer (LoRA dropout) a handle that rebuilds x instead of keeping it. A cast of
+a tensor that is not registered (the attention output, which attention keeps anyway; autocast's
+16-bit copy of an fp32 weight) is rebuilt from that tensor when it is a parameter or no larger
+than the copy, so a substitution never costs bytes.
+
 Why hooks and not freeing storage: nothing is mutated, so a consumer that reads y again in
 forward, a hook that inspects it or an in-place op that bumps its version stays correct (a saved
 tensor whose version moved since registration is saved as usual), and the rebuild happens exactly
-when a consumer first needs it, whatever order backward runs in.
+when a consumer first needs it, whatever order backward runs in. An edit through `.data` bumps no
+version and is not seen: y is rebuilt as it was before the edit.
 
 Scopes are not entered under torch.compile (AOTAutograd decides what is saved there) nor inside
 another saved-tensor hook context (torch.utils.checkpoint, offloading): the outer mechanism then
-decides what is kept, and y is kept as usual.
+decides what is kept, and y is kept as usual. The one outer context a scope works under is an
+observer's (`observe`, used by memory.ledger): it is shown what the scope keeps after its drops.
 """
 
 import contextlib
 import threading
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _state = threading.local()
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 class _Rebuild:
-    """A dropped output: how to rebuild it, and the rebuilt value while consumers still need it."""
+    """A dropped output: how to rebuild it, and the rebuilt value while consumers still need it.
+
+    `args` may hold sources (`_View`) of other dropped outputs; they are rebuilt first.
+    """
 
     __slots__ = ("fn", "args", "value", "count")
 
@@ -38,11 +56,12 @@ class _Rebuild:
         if self.value is None:
             self.count += 1
             with torch.no_grad():
-                self.value = self.fn(*self.args).contiguous()
+                args = [a.get() if isinstance(a, _View) else a for a in self.args]
+                self.value = self.fn(*args).contiguous()
         return self.value
 
 
-class _Placeholder:
+class _View:
     """What a consumer's graph node keeps instead of y (or a view of y): the view's geometry."""
 
     __slots__ = ("rebuild", "size", "stride", "offset")
@@ -50,77 +69,189 @@ class _Placeholder:
     def __init__(self, rebuild, size, stride, offset):
         self.rebuild, self.size, self.stride, self.offset = rebuild, size, stride, offset
 
-    def unpack(self):
+    def get(self):
         return self.rebuild.get().as_strided(self.size, self.stride, self.offset)
 
 
+def _cast(x, dtype):
+    return x.to(dtype)
+
+
+def _key(t):
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without a storage
+        return None
+
+
 class _Scope:
-    def __init__(self):
+    def __init__(self, observer):
         self.outputs = {}  # storage data_ptr -> (y, version at registration, _Rebuild)
+        self.casts = {}  # storage data_ptr -> (weakref to the cast, weakref to its root, root version, dtypes)
+        self.observer = observer  # the observing context's pack (memory.ledger), or None
 
-    def pack(self, t):
-        entry = self._entry(t)
+    def register(self, y, rebuild):
+        self.outputs[y.untyped_storage().data_ptr()] = (y, y._version, rebuild)
+
+    def view_of(self, t):
+        """A _View reading t back from a registered output, or None."""
+        key = _key(t)
+        entry = self.outputs.get(key) if key is not None else None
         if entry is None:
-            return t
-        y, _, rebuild = entry
-        return _Placeholder(rebuild, t.size(), t.stride(), t.storage_offset() - y.storage_offset())
-
-    def _entry(self, t):
-        if type(t) is not torch.Tensor or t.layout != torch.strided:
-            return None
-        try:
-            entry = self.outputs.get(t.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # tensors without a storage
-            return None
+            entry = self._promote_cast(t, key)
         if entry is None:
             return None
-        y, version, _ = entry
+        y, version, rebuild = entry
         # y is held by the scope, so its storage cannot have been reused; the version guards in-place edits.
         if t.dtype != y.dtype or t._version != version or t.storage_offset() < y.storage_offset():
             return None
-        return entry
+        return _View(rebuild, t.size(), t.stride(), t.storage_offset() - y.storage_offset())
+
+    def _promote_cast(self, t, key):
+        """Registers a cast of a kept tensor (not itself registered) as rebuilt from it, when that is
+        no larger than the cast; the root is then held instead of the copy."""
+        found = self.casts.get(key) if key is not None else None
+        if found is None:
+            return None
+        cast_ref, root_ref, root_version, dtypes = found
+        cast, root = cast_ref(), root_ref()
+        if cast is None:
+            return None
+        if root is None or root._version != root_version:
+            return None
+        if root.element_size() > cast.element_size() and not isinstance(root, torch.nn.Parameter):
+            return None  # holding the root would cost more than the copy; a parameter is held anyway
+        rebuild = _Rebuild(_cast_chain, (root, dtypes))
+        self.register(cast, rebuild)
+        del self.casts[key]
+        return self.outputs[key]
+
+    def note_cast(self, src, out):
+        """Called for every dtype cast while casts are watched."""
+        if not out.is_contiguous() or _key(out) is None:
+            return
+        view = self.view_of(src)
+        if view is not None:
+            self.register(out, _Rebuild(_cast, (view, out.dtype)))
+            return
+        key = _key(src)
+        if key is None:
+            return
+        prior = self.casts.get(key)
+        root_ref, version, dtypes = (weakref.ref(src), src._version, ()) if prior is None else prior[1:]
+        self.casts[_key(out)] = (weakref.ref(out), root_ref, version, (*dtypes, out.dtype))
+
+    def pack(self, t):
+        view = self.view_of(t)
+        if view is not None:
+            return view
+        return self.observer(t) if self.observer is not None else t
 
     @staticmethod
     def unpack(packed):
-        return packed.unpack() if isinstance(packed, _Placeholder) else packed
+        return packed.get() if isinstance(packed, _View) else packed
 
 
-def _outer_hooks_active():
+def _cast_chain(root, dtypes):
+    for dtype in dtypes:
+        root = root.to(dtype)
+    return root
+
+
+class _CastWatcher(TorchDispatchMode):
+    """Reports each dtype cast in the scope's forward to the scope (below autograd and autocast)."""
+
+    def __init__(self, scope):
+        super().__init__()
+        self.scope = scope
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is _TO_COPY and type(out) is torch.Tensor and args and isinstance(args[0], torch.Tensor):
+            if out.dtype != args[0].dtype:
+                self.scope.note_cast(args[0], out)
+        return out
+
+
+def _top_hooks():
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is not None
+    return None if top is None else top(False)
+
+
+def autocast_on():
+    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
 @contextlib.contextmanager
-def scope(enabled=True):
+def scope(enabled=True, watch_casts=None):
     """Drops registered outputs from what the forward inside saves (see the module doc).
 
+    `watch_casts`: also rebuild casts of registered outputs (default: whenever autocast is on).
     A no-op when disabled, when gradients are off, under torch.compile and inside another
-    saved-tensor hook context. Scopes do not nest: an inner one takes over until it exits.
+    saved-tensor hook context than an observer's. Scopes do not nest: an inner one takes over
+    until it exits.
     """
-    if (not enabled or not torch.is_grad_enabled() or torch.compiler.is_compiling() or _outer_hooks_active()):
+    if not enabled or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         yield None
         return
-    current = _Scope()
+    observer = None
+    top = _top_hooks()
+    if top is not None:
+        observer = getattr(_state, "observer", None)
+        if observer is None or top[0] != observer:
+            yield None
+            return
+    current = _Scope(observer)
     previous = getattr(_state, "scope", None)
     _state.scope = current
+    if watch_casts is None:
+        watch_casts = autocast_on()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(current.pack, current.unpack):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(current.pack, current.unpack))
+            if watch_casts:
+                stack.enter_context(_CastWatcher(current))
             yield current
     finally:
         _state.scope = previous
         current.outputs.clear()  # the scope's references to the outputs end with the forward
+        current.casts.clear()
+
+
+@contextlib.contextmanager
+def observe(pack):
+    """Lets scopes run under the saved-tensor hooks whose pack is `pack` (a measuring tool's): a scope
+    entered inside then hands `pack` every tensor it keeps, and none that it drops."""
+    previous = getattr(_state, "observer", None)
+    _state.observer = pack
+    try:
+        yield
+    finally:
+        _state.observer = previous
 
 
 def discardable(y, rebuild, *args):
     """Registers y as rebuilt by `rebuild(*args)` (bit-identical, under no_grad) if a scope is active.
 
     `args` should be tensors the producing op keeps for its own backward anyway (its input and
-    statistics), so the placeholder costs nothing. Returns y.
+    statistics), or `source(x)` handles, so the placeholder costs nothing. Returns y.
     """
     current = getattr(_state, "scope", None)
     if current is not None and isinstance(y, torch.Tensor) and y.is_contiguous() and torch.is_grad_enabled():
-        current.outputs[y.untyped_storage().data_ptr()] = (y, y._version, _Rebuild(rebuild, args))
+        current.register(y, _Rebuild(rebuild, args))
     return y
+
+
+def source(x):
+    """What a producer should hold to read x in backward: a rebuild handle when x is (a cast of) a
+    dropped output, else x itself."""
+    current = getattr(_state, "scope", None)
+    if current is None or not isinstance(x, torch.Tensor):
+        return x
+    view = current.view_of(x)
+    return x if view is None else view
 
 
 def active():

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .. import recompute
 from .units import columns, format_bytes
 
 
@@ -78,6 +79,7 @@ class LedgerReport:
         return f"LedgerReport(total={self.total}, entries={len(self.entries)}, by_layer={dict(self.by_layer)})"
 
 
+LAYER_STATE = "_selective_ckpt"  # the attribute of a converted decoder layer (models.common.STATE)
 _ACTIVE = []  # the ledgers recording now (innermost last); note_saved reports to the innermost
 
 
@@ -177,9 +179,12 @@ class _Recorder:
                 del self.stack[i:]
                 break
 
+    def is_layer(self, module):
+        return isinstance(module, self.layer_types) or hasattr(module, LAYER_STATE)
+
     def where(self):
         module = self.name(self.stack[-1]) if self.stack else "-"
-        layer = next((self.name(m) for m in reversed(self.stack) if isinstance(m, self.layer_types)), "-")
+        layer = next((self.name(m) for m in reversed(self.stack) if self.is_layer(m)), "-")
         return module, layer
 
     def add(self, t, op=None):
@@ -250,6 +255,8 @@ def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), trac
                 rec.producers = stack.enter_context(_Producers())
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t))
+            # recompute scopes inside run as they do without the ledger and show it what they keep
+            stack.enter_context(recompute.observe(rec.pack))
             out = fn_or_module(*inputs, **kwargs)
             for mode in rec.sac_modes:  # what selective checkpointing cached and the policy did not report
                 for leaf in tree_flatten(list(_sac_cache(mode)))[0]:

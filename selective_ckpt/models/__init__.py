@@ -12,6 +12,7 @@ from ..layers import SelectiveDecoderLayer
 from ..validation import check_mode
 from . import eager, gpt2, hf, llama, mistral, qwen2, qwen3
 from .common import ConversionError
+from .peft import plan_adapters
 
 HF_FAMILIES = {t: family for family in (gpt2, llama, mistral, qwen2, qwen3) for t in family.MODEL_TYPES}
 
@@ -43,6 +44,7 @@ def convert(model, recompute="selective"):
             raise ConversionError(f"{type(root).__name__}: model type {model_type!r} is not supported; supported: "
                                   f"{_supported()}")
         layers, patches = family.plan(root, model_type)
+        patches = patches + plan_adapters(model)
         hf.apply(root, layers, patches, recompute, family.layer_shape)
         return model
     return _convert_eager(model, recompute)

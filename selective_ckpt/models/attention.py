@@ -104,6 +104,15 @@ def _cu_seqlens(kwargs, name):
     return cu_q.to(torch.int32)
 
 
+def _compute_dtype(query):
+    """The dtype SDPA runs in for `query`: autocast's lower precision when autocast is on (it casts
+    q, k, v there, whatever RoPE promoted them to), else query's own."""
+    kind = query.device.type
+    if torch.is_autocast_enabled(kind) and query.dtype in (torch.float32, torch.float64):
+        return torch.get_autocast_dtype(kind)
+    return query.dtype
+
+
 def selective_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                         **kwargs):
     """transformers attention function: (o [B, S, H, D], None). query [B, H, Sq, D], key/value [B, Hkv, Sk, D]."""
@@ -136,8 +145,8 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
         if pad is not None:
             raise ConversionError(f"{name}: cu_seq_lens_q cannot be combined with padding")
         cu = cu_kw
-    dtype = query.dtype
-    key, value = key.to(dtype), value.to(dtype)
+    dtype = _compute_dtype(query)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     seed = rng.draw_seed_tensor(query.device) if dropout > 0 else None
     o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu)
     return o.transpose(1, 2), None

@@ -38,10 +38,22 @@ class LayerRecompute:
     (so `model.gradient_checkpointing_enable()` reads as "full" on every layer).
     """
 
-    def __init__(self, layer, mode, shape_of=None):
+    def __init__(self, layer, mode, shape_of=None, name=None):
         self.layer = layer
         self.recompute = mode
         self._shape_of = shape_of
+        self.name = name or type(layer).__name__
+        self.checked = None  # module count when the adapters were last checked (models/peft.py)
+        self.warned = False
+
+    def watch_casts(self):
+        """Whether the layer's forward casts between dtypes (autocast, or parameters of several dtypes:
+        fp32 adapters or norms beside a 16-bit or quantized base), so casts of dropped outputs are
+        watched and rebuilt too (recompute.scope)."""
+        if recompute.autocast_on():
+            return True
+        dtypes = {p.dtype for p in self.layer.parameters()}
+        return len(dtypes) > 1
 
     def shape(self):
         """The layer's LayerShape fields (memory.planner), its parameters' dtype included."""
@@ -98,8 +110,12 @@ def _attention_reads_own_kv(caches):
 
 
 def _decoder_layer_forward(self, *args, **kwargs):
-    mode = getattr(self, STATE).recompute
+    state = getattr(self, STATE)
+    mode = state.recompute
     grad = torch.is_grad_enabled()
+    if grad and self.training:
+        from .peft import check_layer
+        check_layer(self, state.name, state)
     caches = []
     if grad:
         from transformers.cache_utils import Cache
@@ -111,13 +127,14 @@ def _decoder_layer_forward(self, *args, **kwargs):
         kwargs = {k: (None if isinstance(v, Cache) else v) for k, v in kwargs.items()}
         kwargs["use_cache"] = False
         caches = []
-    with recompute.scope(mode == "selective"), _attention_reads_own_kv(caches):
+    selective = mode == "selective" and grad
+    with recompute.scope(selective, watch_casts=selective and state.watch_casts()), _attention_reads_own_kv(caches):
         return getattr(self, PATCHED)(*args, **kwargs)
 
 
-def convert_decoder_layer(layer, mode, shape_of=None):
+def convert_decoder_layer(layer, mode, shape_of=None, name=None):
     """Wraps the layer's forward in a recompute scope chosen by its mode; modules and parameters stay."""
     if not hasattr(type(layer), "gradient_checkpointing"):
         raise ConversionError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer")
-    setattr(layer, STATE, LayerRecompute(layer, mode, shape_of))
+    setattr(layer, STATE, LayerRecompute(layer, mode, shape_of, name))
     patch_forward(layer, _decoder_layer_forward)

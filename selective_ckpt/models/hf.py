@@ -81,8 +81,9 @@ def apply(root, layers, patches, mode, layer_shape):
     root.config._attn_implementation = attention.NAME
     for module, forward in patches:
         patch_forward(module, forward)
+    names = {id(m): n for n, m in root.named_modules()}
     for layer in layers:
-        convert_decoder_layer(layer, mode, functools.partial(layer_shape, config=root.config))
+        convert_decoder_layer(layer, mode, functools.partial(layer_shape, config=root.config), names.get(id(layer)))
 
 
 def converted_layers(model):

@@ -40,13 +40,23 @@ def layer_norm_forward(self, x):
 # order, weight * (x32 * rstd).to(x.dtype); keeps x and the fp32 rstd, the output is rebuilt from them.
 
 def rms_norm_forward(self, x):
-    if self.weight.dtype != x.dtype:
-        # transformers then returns weight's promoted dtype, which the kernel (weight in x's dtype)
-        # would not reproduce: compute as transformers does, keeping what it keeps.
-        return getattr(self, PATCHED)(x)
-    eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
-    y, rstd = rms_norm_fwd(x, self.weight, float(eps), 0.0)
-    return recompute.discardable(y, rms_norm_apply, x, self.weight, rstd, 0.0)
+    eps = float(self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps)
+    if self.weight.dtype == x.dtype:
+        y, rstd = rms_norm_fwd(x, self.weight, eps, 0.0)
+        return recompute.discardable(y, rms_norm_apply, x, self.weight, rstd, 0.0)
+    # A weight of another dtype (fp32 norms after peft's prepare_model_for_kbit_training, or kept in
+    # fp32 by the user): transformers rounds the normalised row to x's dtype and multiplies by the
+    # weight in the promoted dtype. The kernel gives the rounded row (times 1, exact); the product
+    # is one eager multiply whose output is rebuilt like the norm's.
+    ones = torch.ones(self.weight.shape, dtype=x.dtype, device=x.device)
+    n, rstd = rms_norm_fwd(x, ones, eps, 0.0)
+    n = recompute.discardable(n, rms_norm_apply, x, ones, rstd, 0.0)
+    y = self.weight * n
+    return recompute.discardable(y, _weighted_rms_norm, x, ones, rstd, self.weight)
+
+
+def _weighted_rms_norm(x, ones, rstd, weight):
+    return weight * rms_norm_apply(x, ones, rstd, 0.0)
 
 
 # --- Activations: GELU (GPT-2) through the kernels, keeping its input.
@@ -83,13 +93,16 @@ def swiglu_mlp_forward(self, x):
 # --- Dropout by seed: 8 bytes kept instead of a mask.
 
 def dropout_forward(self, x):
+    """nn.Dropout by the elementwise stream of the dropout contract; the output is rebuilt in backward
+    from the (itself possibly rebuilt) input and the seed, so a consumer that saves it keeps neither."""
     if not self.training or self.p == 0:
         return x
     if self.p == 1:
         return torch.zeros_like(x)
     if self.inplace:
         raise ValueError("in-place dropout cannot be converted; set inplace=False")
-    return dropout_op(x, float(self.p), rng.draw_seed_tensor(x.device))
+    p, seed = float(self.p), rng.draw_seed_tensor(x.device)
+    return recompute.discardable(dropout_op(x, p, seed), dropout_op, recompute.source(x), p, seed)
 
 
 def gelu_mlp_forward_factory(approximate):

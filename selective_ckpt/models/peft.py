@@ -1,0 +1,92 @@
+"""PEFT adapters inside converted decoder layers: LoRA dropout by seed, refusals and warnings.
+
+PEFT's LoRA computes `lora_B(lora_A(dropout(x)))`; the dropout output is a new tensor that lora_A
+saves for its weight gradient (a full copy of the input per adapted projection). Its nn.Dropout
+modules get the seeded dropout of models/patches.py (the elementwise stream of the dropout
+contract): the dropped input is rebuilt in backward from the rebuilt input and an 8-byte seed.
+PEFT's own forward is left alone, so `set_adapter`, `disable_adapter()`, several adapters,
+`use_rslora`, merging and `merge_and_unload` keep PEFT's semantics; eval mode applies no dropout.
+
+Adapters may be added before or after convert: each converted layer checks its adapters when
+the set of its modules changes (`check_layer`). DoRA (`use_dora=True`) rebuilds the adapted
+weight's norm from the base weight, which selective_ckpt does not rebuild: it is refused by name.
+"""
+
+import warnings
+
+from torch import nn
+
+from .common import ConversionError
+from .patches import PATCHED, dropout_forward, patch_forward
+
+# Module classes a converted layer may hold whose saved tensors the recompute scope handles: the
+# families' own blocks are checked by their plans; these are the consumers found inside them.
+KNOWN_CONSUMERS = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt", "Dropout", "Identity", "ModuleDict",
+                   "ParameterDict", "BufferDict")
+KNOWN_PARAMETERS = ("Parameter", "Params4bit", "Int8Params")
+
+
+def _lora_layers(module):
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # peft missing: no adapter can be in the model
+        return []
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, LoraLayer)]
+
+
+def _check_variants(name, lora):
+    variants = getattr(lora, "lora_variant", {}) or {}
+    dora = [a for a, on in (getattr(lora, "use_dora", {}) or {}).items() if on]
+    if dora or variants:
+        kinds = sorted({type(v).__name__ for v in variants.values()} | ({"DoRA"} if dora else set()))
+        raise ConversionError(f"{name} ({type(lora).__name__}): LoRA variant {', '.join(kinds)} (e.g. use_dora=True) "
+                              "is not supported: its weight-norm path is not rebuilt in backward; use plain LoRA")
+
+
+def plan_adapters(root, owner=""):
+    """(module, forward) patches for the LoRA dropouts under `root`; raises ConversionError for variants."""
+    patches = []
+    for name, lora in _lora_layers(root):
+        full = f"{owner}.{name}" if owner and name else (name or owner)
+        _check_variants(full, lora)
+        for drop in getattr(lora, "lora_dropout", {}).values():
+            if type(drop) is nn.Dropout:
+                if drop.inplace:
+                    raise ConversionError(f"{full}: in-place LoRA dropout cannot be converted")
+                patches.append((drop, dropout_forward))
+    return patches
+
+
+def unknown_modules(layer):
+    """Names of modules inside a converted layer whose class selective_ckpt does not know (their saved
+    tensors are kept as they are: a quantized Linear of another library, an adapter other than LoRA)."""
+    known = set(KNOWN_CONSUMERS)
+    out = []
+    for name, m in layer.named_modules():
+        cls = type(m)
+        if not name or cls.__name__ in known or cls.__module__.startswith(("transformers.", "torch.nn.")):
+            continue
+        if cls.__module__.startswith("peft.tuners.lora") and cls.__name__ in ("Linear", "Linear4bit", "Linear8bitLt"):
+            continue
+        out.append(f"{name} ({cls.__module__}.{cls.__name__})")
+    for name, p in layer.named_parameters():
+        if type(p).__name__ not in KNOWN_PARAMETERS:
+            out.append(f"{name} (a {type(p).__module__}.{type(p).__name__} weight)")
+    return out
+
+
+def check_layer(layer, layer_name, state):
+    """Patches LoRA dropouts added since the last check and warns once about unknown modules."""
+    signature = sum(1 for _ in layer.modules())
+    if state.checked == signature:
+        return
+    for module, forward in plan_adapters(layer, layer_name):
+        if getattr(module, PATCHED, None) is None:
+            patch_forward(module, forward)
+    unknown = unknown_modules(layer)
+    if unknown and not state.warned:
+        warnings.warn(f"selective_ckpt: {layer_name} holds modules it does not know: {', '.join(unknown)}; what "
+                      "they save for backward is kept as they save it (their inputs may not be rebuilt)",
+                      stacklevel=3)
+        state.warned = True
+    state.checked = signature
