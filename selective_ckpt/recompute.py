@@ -140,6 +140,8 @@ class _Scope:
         if key is None:
             return
         prior = self.casts.get(key)
+        if prior is not None and prior[0]() is None:
+            prior = None  # a dead cast's storage reused by src: not a cast of that root
         root_ref, version, dtypes = (weakref.ref(src), src._version, ()) if prior is None else prior[1:]
         self.casts[_key(out)] = (weakref.ref(out), root_ref, version, (*dtypes, out.dtype))
 

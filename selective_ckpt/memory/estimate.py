@@ -2,6 +2,8 @@
 and the FLOPs each recompute mode spends again in backward.
 """
 
+import dataclasses
+
 import torch
 
 from .. import rng
@@ -19,7 +21,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
-             dropout=0.0, attn_dropout=0.0, **layer_kwargs):
+             dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -37,6 +39,14 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     Dropout keeps an 8-byte seed tensor per site that is on (rates `dropout`, `attn_dropout` as in
     the layer, training): attention probabilities, proj output, MLP output; "full" keeps none.
     `breakdown=True` returns a dict of the parts (bytes) instead of the total.
+
+    Training configurations (docs/DESIGN.md, "The floor under training configurations"): `dtype` is
+    the dtype attention and the matmuls run in (autocast's under autocast), `residual_dtype` that of
+    the residual stream x, x1 (fp32 weights under autocast, fp32 after prepare_model_for_kbit_training;
+    default `dtype`), `mlp_dtype` that of the gate/up (fc1) outputs (a 4-bit Linear casts back to its
+    input's dtype; default `dtype`). `lora` (memory.LoRA) adds its rank terms: each adapted projection
+    keeps lora_A's output (rank elements per token in lora.dtype) and, with dropout, an 8-byte seed;
+    everything else LoRA reads (its dropped and cast inputs) is rebuilt.
     """
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
     gated = layer_kwargs.get("activation", "gelu") in GATED_ACTIVATIONS
@@ -45,18 +55,20 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     check_positive_int(batch, "batch")
     check_mode(recompute)
     dtype = as_dtype(dtype)
-    e = torch.empty((), dtype=dtype).element_size()
+    e = _size(dtype)
+    er = _size(as_dtype(residual_dtype, "residual_dtype")) if residual_dtype is not None else e
+    em = _size(as_dtype(mlp_dtype, "mlp_dtype")) if mlp_dtype is not None else e
     acc = 8 if dtype == torch.float64 else 4
     t = seq_len * batch
     h = hidden_dim
     if recompute == "full":
-        parts = {"x": t * h * e}
+        parts = {"x": t * h * er}
     else:
-        parts = {"x": t * h * e, "qkv": t * (h + 2 * kv_heads * head_dim) * e, "o": t * h * e, "x1": t * h * e}
+        parts = {"x": t * h * er, "qkv": t * (h + 2 * kv_heads * head_dim) * e, "o": t * h * e, "x1": t * h * er}
         if gated:
-            parts.update(gate_out=t * ffn * e, up_out=t * ffn * e)
+            parts.update(gate_out=t * ffn * em, up_out=t * ffn * em)
         else:
-            parts["fc1_out"] = t * ffn * e
+            parts["fc1_out"] = t * ffn * em
         parts["lse"] = num_heads * t * acc
         parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * 2 * t * acc
         if recompute == "none":
@@ -67,7 +79,42 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         sites = (attn_dropout > 0) + 2 * (dropout > 0)
         if sites:
             parts["seeds"] = 8 * sites
+        if lora is not None:
+            parts.update(lora.kept(t))
     return parts if breakdown else sum(parts.values())
+
+
+def _size(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """PEFT LoRA on a converted layer, for `estimate`: the adapted projections and their ranks.
+
+    `ranks`: projection name -> rank (e.g. {"q_proj": 16, ...}); `dtype`: the dtype lora_A's output is
+    computed in (autocast's under autocast, else the adapter weights'); `dropout`: lora_dropout.
+    """
+
+    ranks: dict
+    dtype: torch.dtype = torch.float32
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.ranks, dict) or not self.ranks:
+            raise TypeError(f"ranks must be a non-empty dict of projection name -> rank, got {self.ranks!r}")
+        for name, r in self.ranks.items():
+            check_positive_int(r, f"ranks[{name!r}]")
+        as_dtype(self.dtype, "dtype")
+        rng.threshold(self.dropout, "dropout")
+
+    def kept(self, tokens):
+        # PEFT's `lora_B(...) * scaling` keeps the Python float as a 0-dim float64 tensor (8 bytes)
+        parts = {"lora_a_out": tokens * sum(self.ranks.values()) * _size(as_dtype(self.dtype)),
+                 "lora_scaling": 8 * len(self.ranks)}
+        if self.dropout > 0:
+            parts["lora_seeds"] = 8 * len(self.ranks)
+        return parts
 
 
 # Elementwise FLOPs per element (coarse, but only their ratio to the matmuls matters for a plan).

@@ -231,7 +231,10 @@ def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), trac
     so a checkpointed region shows exactly its positional tensor inputs (tensors passed to
     checkpoint as keyword arguments are held by reference, outside the hooks, and not counted);
     what runs inside it is not kept and is not counted. Outputs cached by selective checkpointing
-    bypass the hooks: use `sac_context_fn`, which reports them here. The forward's outputs are
+    bypass the hooks: use `sac_context_fn`, which reports them here. So do 0-dim Python-number
+    operands autograd keeps (8 bytes each, e.g. PEFT LoRA's `* scaling`): they are not counted.
+    Recompute scopes inside (converted layers) run as they do without the ledger: it counts what
+    they keep, not what they drop. The forward's outputs are
     dropped before returning, so the graph and its saved tensors are freed.
     """
     if not callable(fn_or_module):
