@@ -8,8 +8,8 @@ Op code (selective_ckpt/ops/) calls `call(family, fn, *args)` and never branches
   replaced by its data pointer and None by 0, unless the family registers an adapter below
   (`_CPP_ADAPTERS`) for calls that need shapes, strides or a different split of the work.
 
-FAMILIES is the table of kernel families: a family is csrc/<family>.cpp, triton_kernels/<family>.py,
-selective_ckpt/ops/<family>.py and tests/ops/test_<family>.py, and one entry here.
+An op family is csrc/<family>.cpp, triton_kernels/<family>.py, selective_ckpt/ops/<family>.py and
+tests/ops/test_<family>.py; the family name is the first argument of `call`.
 """
 
 import importlib
@@ -20,8 +20,6 @@ import torch
 from ._extension import load as _load_extension
 
 _C = _load_extension()
-
-FAMILIES = ("dropout", "layer_norm", "gelu", "attention", "rms_norm", "swiglu")
 
 BACKEND_ENV = "SELECTIVE_CKPT_BACKEND"
 _CHOICES = ("auto", "cpp", "triton")

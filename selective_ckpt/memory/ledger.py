@@ -10,7 +10,6 @@ reports them.
 
 import contextlib
 import dataclasses
-import importlib
 from collections import OrderedDict
 
 import torch
@@ -82,14 +81,10 @@ _ACTIVE = []  # the ledgers recording now (innermost last); note_saved reports t
 
 
 def _default_layer_types():
-    types = []
-    for mod, name in (("layers", "SelectiveDecoderLayer"), ("models.eager", "EagerDecoderLayer")):
-        try:
-            module = importlib.import_module(f"selective_ckpt.{mod}")
-            types.append(getattr(module, name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(types)
+    # The decoder-layer classes registered with selective_ckpt.registry (they register when defined).
+    from ..registry import layer_types
+
+    return layer_types()
 
 
 def storage_key(t):

@@ -7,6 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .. import recompute
+from ..registry import STATE
 from ..validation import check_mode
 from .patches import PATCHED, patch_forward
 
@@ -27,7 +28,6 @@ def copy_param(dst, src, transpose=False):
     dst.requires_grad_(src.requires_grad)
 
 
-STATE = "_selective_ckpt"  # attribute of a converted decoder layer holding its LayerRecompute
 
 
 class LayerRecompute:

@@ -11,6 +11,7 @@ import types
 import torch
 
 from .. import recompute, rng
+from ..activations import GELU_APPROXIMATE, has_own_hooks, kernel_activation
 from ..ops.dropout import dropout_op
 from ..ops.gelu import gelu_backward_op, gelu_op
 from ..ops.layer_norm import layer_norm_apply, layer_norm_fwd
@@ -37,19 +38,20 @@ def layer_norm_forward(self, x):
 
 
 # --- RMSNorm (Llama, Mistral, Qwen2, Qwen3 incl. q/k norms): the fused kernel in Hugging Face's rounding
-# order, weight * (x32 * rstd).to(x.dtype); keeps x and the fp32 rstd, the output is rebuilt from them.
+# order for the offset (ops/rms_norm.py); keeps x and the fp32 rstd, the output is rebuilt from them.
 
-def rms_norm_forward(self, x):
+def rms_norm_forward(self, x, offset=0.0):
+    """y = x * rstd * (offset + weight); a model spec's norm offset arrives through functools.partial."""
     if self.weight.dtype != x.dtype:
         # transformers then returns weight's promoted dtype, which the kernel (weight in x's dtype)
         # would not reproduce: compute as transformers does, keeping what it keeps.
         return getattr(self, PATCHED)(x)
     eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
-    y, rstd = rms_norm_fwd(x, self.weight, float(eps), 0.0)
-    return recompute.discardable(y, rms_norm_apply, x, self.weight, rstd, 0.0)
+    y, rstd = rms_norm_fwd(x, self.weight, float(eps), offset)
+    return recompute.discardable(y, rms_norm_apply, x, self.weight, rstd, offset)
 
 
-# --- Activations: GELU (GPT-2) through the kernels, keeping its input.
+# --- Activations: the module's own activation, through the kernels when it is one of theirs.
 
 class _GELU(torch.autograd.Function):
     @staticmethod
@@ -71,13 +73,45 @@ def gelu(h, approximate):
     return recompute.discardable(a, gelu_op, h.contiguous(), approximate)
 
 
-# --- SwiGLU (Llama family): silu(gate) * up by the fused kernel, keeping gate and up.
+def _forward_of(module, x):
+    return module.forward(x)
+
+
+def _product_of(module, gate, up):
+    return module.forward(gate) * up
+
+
+def activate(act_fn, h, up=None):
+    """act_fn(h), or act_fn(h) * up for a gated MLP, as the next Linear's input, registered to be rebuilt.
+
+    A kernel activation module (activations.kernel_activation) runs the fused kernels, which keep h
+    (and up). Any other elementwise activation module is called as a module (its hooks run) and its
+    output and the product are rebuilt from h and up in backward, so they are not kept either;
+    with hooks of its own, its output is kept (a hook may have changed it) and only the product is
+    rebuilt.
+    """
+    kernel = kernel_activation(act_fn)
+    if up is None:
+        if kernel in GELU_APPROXIMATE:
+            return gelu(h, GELU_APPROXIMATE[kernel])
+        a = act_fn(h)
+        return a if has_own_hooks(act_fn) else recompute.discardable(a, _forward_of, act_fn, h)
+    if kernel is not None:
+        p = gated_product(h, up, kernel)
+        return recompute.discardable(p, gated_product_op, h, up, kernel)
+    a = act_fn(h)
+    if has_own_hooks(act_fn):
+        return recompute.discardable(a * up, torch.mul, a, up)
+    recompute.discardable(a, _forward_of, act_fn, h)
+    return recompute.discardable(a * up, _product_of, act_fn, h, up)
+
+
+# --- The gated MLP (Llama family): act(gate) * up, keeping gate and up.
 
 def swiglu_mlp_forward(self, x):
-    """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(silu(gate(x)) * up(x)), projections as modules."""
+    """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(act_fn(gate(x)) * up(x)), projections as modules."""
     gate, up = self.gate_proj(x), self.up_proj(x)
-    h = gated_product(gate, up, "silu")
-    return self.down_proj(recompute.discardable(h, gated_product_op, gate, up, "silu"))
+    return self.down_proj(activate(self.act_fn, gate, up))
 
 
 # --- Dropout by seed: 8 bytes kept instead of a mask.
@@ -92,8 +126,11 @@ def dropout_forward(self, x):
     return dropout_op(x, float(self.p), rng.draw_seed_tensor(x.device))
 
 
-def gelu_mlp_forward_factory(approximate):
+def gelu_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="dropout"):
+    """The forward of a plain MLP dropout(fc_out(act(fc_in(x)))) with these child names (GPT2MLP's by
+    default; dropout None for none), its activation applied by `activate`."""
     def forward(self, hidden_states):
-        h = self.c_fc(hidden_states)
-        return self.dropout(self.c_proj(gelu(h, approximate)))
+        h = getattr(self, fc_in)(hidden_states)
+        out = getattr(self, fc_out)(activate(getattr(self, act), h))
+        return out if dropout is None else getattr(self, dropout)(out)
     return forward
