@@ -1,21 +1,20 @@
-"""The pre-LN SelectiveDecoderLayer and set_recompute, with recompute modes.
+"""The pre-norm SelectiveDecoderLayer and set_recompute, with recompute modes.
 
-Per token and hidden unit, in elements, a layer keeps for backward (docs/DESIGN.md's contract):
+Any norm (LayerNorm, RMSNorm) goes with any MLP (plain fc1 -> act -> fc2 for activation "gelu" /
+"gelu_tanh", gated down(act(gate) * up) for "swiglu" / "geglu"). Per token, in elements, a layer
+keeps for backward (docs/DESIGN.md, "What a layer keeps" and "The decoder layer"):
 
-- "selective": x (LN1 input) 1, the qkv output 3 (q, k, v are views of it), the attention output
-  o 1 (proj reads it in place), x1 (LN2 input) 1, the fc1 output mlp_ratio: 10 with mlp_ratio 4,
-  plus the fp32 row logsumexp [B, H, S] and the two LayerNorms' fp32 mean/rstd [B, S].
-- "none": the same kernels, but the two LayerNorm outputs and the GELU output are kept too (16).
-
-A Llama-style layer (norm="rmsnorm", activation "swiglu"/"geglu", num_kv_heads, rope_theta) keeps,
-per token, in elements: x h, q/k/v (H + 2 Hkv) D (after RoPE), o h, x1 h, the gate and up outputs
-2 ffn, plus lse and one fp32 rstd per norm; "none" adds both norm outputs and the product
-act(gate) * up (docs/DESIGN.md, "The Llama-style layer").
+- "selective": x (norm 1 input) h, the qkv output (H + 2 Hkv) D (q, k, v are views of it, after
+  RoPE), the attention output o h (proj reads it in place), x1 (norm 2 input) h and the MLP's
+  matmul outputs (fc1: ffn; gate and up: 2 ffn): 10 h for a GPT-style layer with mlp_ratio 4, plus
+  the fp32 row logsumexp [B, H, S] and each norm's fp32 statistics (LayerNorm: mean and rstd,
+  RMSNorm: rstd) [B, S].
+- "none": the same kernels, but both norm outputs and the activation output (or product) are kept too.
 - "full": torch.utils.checkpoint (non-reentrant) around the whole layer: only its input.
 
 All three give bit-identical outputs and gradients: the dropout seeds are drawn before the
-checkpointed region, so the re-run regenerates the same masks, and stored and recomputed
-LayerNorm/GELU outputs come from the same kernels.
+checkpointed region, so the re-run regenerates the same masks, and stored and recomputed norm and
+activation outputs come from the same kernels.
 """
 
 import torch
@@ -93,10 +92,11 @@ def _draw(p, device):
 
 @recomputable
 class SelectiveDecoderLayer(nn.Module):
-    """Pre-LN decoder layer: x1 = x + dropout(proj(attention(qkv(ln1(x))))), y = x1 + gelu_mlp(ln2(x1)).
+    """Pre-norm decoder layer: x1 = x + dropout(proj(attention(qkv(ln1(x))))), y = x1 + mlp(ln2(x1)).
 
-    Llama-style with norm="rmsnorm" and activation="swiglu" (or "geglu"): ln1, ln2 are nn.RMSNorm,
-    the MLP is down_proj(act(gate_proj(.)) * up_proj(.)); num_kv_heads < num_heads gives grouped-query
+    norm "layernorm" (nn.LayerNorm, with biases when bias) or "rmsnorm" (nn.RMSNorm); activation
+    "gelu" / "gelu_tanh" (fc1, fc2) or "swiglu" / "geglu" (gate_proj, up_proj, down_proj,
+    down(act(gate(.)) * up(.))), any with either norm. num_kv_heads < num_heads gives grouped-query
     attention (qkv outputs (H + 2 Hkv) * head_dim; q, k, v are views of it), rope_theta applies
     rotary embeddings to q and k (positions from position_ids, else 0..S-1), sliding_window limits
     each query to the last that many keys. ffn_dim, when given, wins over mlp_ratio.

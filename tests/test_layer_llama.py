@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selective_ckpt import SelectiveDecoderLayer, attention, memory, rng
+from selective_ckpt import SelectiveDecoderLayer, memory, rng
 from tests.reference import assert_within_rule
 
 THETA = 10000.0
@@ -218,51 +218,16 @@ def test_bad_llama_arguments():
         layer(torch.randn(2, 5, 64), position_ids=torch.arange(5.0)[None])
 
 
-# ---------------------------------------------------------------------------------------------
-# Grouped-query and windowed attention: these run once both backends' attention kernels take them.
-
-
-def _missing_support(backend, group=1, window=None):
-    """None when `backend`'s attention kernels run a tiny grouped-query / windowed call, else why not."""
-    import os
-
-    q = torch.randn(1, 4, 3, 8)
-    kv = torch.randn(1, 4 // group, 3, 8)
-    saved = os.environ.get("SELECTIVE_CKPT_BACKEND")
-    os.environ["SELECTIVE_CKPT_BACKEND"] = "triton" if backend == "triton" else "auto"
-    try:
-        attention(q, kv, kv, causal=True, sliding_window=window)
-    except NotImplementedError as err:
-        return f"{'Triton' if backend == 'triton' else 'C++'} attention kernels: {err}"
-    finally:
-        if saved is None:
-            os.environ.pop("SELECTIVE_CKPT_BACKEND", None)
-        else:
-            os.environ["SELECTIVE_CKPT_BACKEND"] = saved
-    return None
-
-
-def require_gqa(backend):
-    reason = _missing_support(backend, group=4)
-    if reason:
-        pytest.skip(f"grouped-query attention missing: {reason}")
-
-
-def require_window(backend):
-    reason = _missing_support(backend, window=2)
-    if reason:
-        pytest.skip(f"sliding_window missing: {reason}")
+# Grouped-query and windowed attention.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_layer_matches_float64_reference(dtype, use_backend):
-    require_gqa("cpp")
     use_backend("cpp")
     check_layer(_build(64, 8, dtype, num_kv_heads=2), 2, 17, dtype)
 
 
 def test_gqa_layer_both_backends_and_modes(backend):
-    require_gqa(backend)
     check_layer(_build(32, 4, torch.float32, num_kv_heads=1), 1, 9, torch.float32)
     layer = _build(32, 4, torch.bfloat16, num_kv_heads=2, dropout=0.17, attn_dropout=0.17).train()
     _bitwise_modes(layer, torch.randn(2, 7, 32).to(torch.bfloat16))
@@ -270,21 +235,17 @@ def test_gqa_layer_both_backends_and_modes(backend):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_window_layer_matches_float64_reference(dtype, use_backend):
-    require_window("cpp")
     use_backend("cpp")
     check_layer(_build(64, 4, dtype, sliding_window=5), 2, 17, dtype)
 
 
 def test_gqa_window_layer_both_backends(backend):
-    require_gqa(backend)
-    require_window(backend)
     check_layer(_build(32, 4, torch.bfloat16, num_kv_heads=2, sliding_window=3), 2, 9, torch.bfloat16)
 
 
 def test_gqa_kept_bytes_are_the_llama_floor():
     # Llama-3-8B's proportions scaled down: H = 32 -> 8, Hkv = H / 4, ffn = 3.5 h, bf16: 11.5 h per
     # token of activations (x, q, k/v at Hkv, o, x1, gate, up) + lse + two rstd.
-    require_gqa("cpp")
     B, S, h, H = 2, 13, 256, 8
     layer = _build(h, H, torch.bfloat16, num_kv_heads=2, ffn_dim=int(3.5 * h))
     x = torch.randn(B, S, h, dtype=torch.bfloat16, requires_grad=True)

@@ -12,6 +12,7 @@ import torch
 
 from .. import recompute, rng
 from ..activations import GELU_APPROXIMATE, has_own_hooks, kernel_activation
+from ..double_backward import first_order_only
 from ..ops.dropout import dropout_op
 from ..ops.gelu import gelu_backward_op, gelu_op
 from ..ops.layer_norm import layer_norm_apply, layer_norm_fwd
@@ -73,37 +74,60 @@ def gelu(h, approximate):
     return recompute.discardable(a, gelu_op, h.contiguous(), approximate)
 
 
-def _forward_of(module, x):
-    return module.forward(x)
+class _ModuleActivation(torch.autograd.Function):
+    """act(h) (times up) by an activation module's own forward, keeping h (and up) only: backward runs
+    the forward again under autograd. An activation that saves its output (ReLU) would keep it otherwise."""
+
+    @staticmethod
+    def forward(ctx, module, h, up, *params):
+        ctx.module = module
+        ctx.save_for_backward(h, up)
+        a = module.forward(h)
+        return a if up is None else a * up
+
+    @staticmethod
+    @first_order_only("selective_ckpt.models.patches.activate")
+    def backward(ctx, grad):
+        h, up = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        params = [p for p, need in zip(ctx.module.parameters(), needs[3:]) if need]
+        with torch.enable_grad():
+            h_ = h.detach().requires_grad_(needs[1])
+            a = ctx.module.forward(h_)
+        inputs = ([h_] if needs[1] else []) + params
+        dup = grad * a.detach() if up is not None and needs[2] else None
+        da = grad if up is None else grad * up
+        grads = list(torch.autograd.grad(a, inputs, da, allow_unused=True)) if inputs else []
+        dh = grads.pop(0) if needs[1] else None
+        dparams = iter(grads)
+        return (None, dh, dup, *(next(dparams) if need else None for need in needs[3:]))
 
 
-def _product_of(module, gate, up):
-    return module.forward(gate) * up
+def _module_product(module, h, up):
+    with torch.no_grad():
+        a = module.forward(h)
+        return a if up is None else a * up
 
 
 def activate(act_fn, h, up=None):
     """act_fn(h), or act_fn(h) * up for a gated MLP, as the next Linear's input, registered to be rebuilt.
 
     A kernel activation module (activations.kernel_activation) runs the fused kernels, which keep h
-    (and up). Any other elementwise activation module is called as a module (its hooks run) and its
-    output and the product are rebuilt from h and up in backward, so they are not kept either;
-    with hooks of its own, its output is kept (a hook may have changed it) and only the product is
-    rebuilt.
+    (and up). Any other elementwise activation module runs its own forward in an autograd node that
+    keeps h (and up) and is rebuilt from them; with hooks of its own it is called as a module (its
+    hooks run) and its output is kept (a hook may have changed it), only the product is rebuilt.
     """
     kernel = kernel_activation(act_fn)
-    if up is None:
-        if kernel in GELU_APPROXIMATE:
+    if kernel is not None and (up is not None or kernel in GELU_APPROXIMATE):  # no plain-SiLU kernel
+        if up is None:
             return gelu(h, GELU_APPROXIMATE[kernel])
-        a = act_fn(h)
-        return a if has_own_hooks(act_fn) else recompute.discardable(a, _forward_of, act_fn, h)
-    if kernel is not None:
         p = gated_product(h, up, kernel)
         return recompute.discardable(p, gated_product_op, h, up, kernel)
-    a = act_fn(h)
     if has_own_hooks(act_fn):
-        return recompute.discardable(a * up, torch.mul, a, up)
-    recompute.discardable(a, _forward_of, act_fn, h)
-    return recompute.discardable(a * up, _product_of, act_fn, h, up)
+        a = act_fn(h)
+        return a if up is None else recompute.discardable(a * up, torch.mul, a, up)
+    out = _ModuleActivation.apply(act_fn, h, up, *act_fn.parameters())
+    return recompute.discardable(out, _module_product, act_fn, h, up)
 
 
 # --- The gated MLP (Llama family): act(gate) * up, keeping gate and up.

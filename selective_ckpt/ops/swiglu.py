@@ -2,7 +2,7 @@
 
 act is a kernel activation (selective_ckpt/activations.py): SiLU (SwiGLU: Llama, Mistral, Qwen),
 tanh-GELU (GeGLU: Gemma) or exact erf GELU (a Llama-shaped model with hidden_act="gelu"). gate and up are two
-matmuls with nn.Linear weights, not one packed [2 * ffn, h] matmul (docs/DESIGN.md, "Gated MLP"):
+matmuls with nn.Linear weights, not one packed [2 * ffn, h] matmul (docs/kernels/mlp.md, "Gated MLP"):
 the model's own gate_proj / up_proj modules and state-dict keys stay as they are, and no packed
 weight is concatenated (and its gradient split) every step. Biases go inside the matmuls (addmm).
 
