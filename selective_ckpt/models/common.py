@@ -30,7 +30,7 @@ def copy_param(dst, src, transpose=False):
 
 
 
-class LayerRecompute:
+class ConvertedLayerState:
     """The recompute mode of a converted Hugging Face decoder layer (what set_recompute sets).
 
     "selective": norm and activation outputs are dropped and rebuilt (recompute.scope around the
@@ -119,5 +119,5 @@ def convert_decoder_layer(layer, mode, shape_of=None):
     """Wraps the layer's forward in a recompute scope chosen by its mode; modules and parameters stay."""
     if not hasattr(type(layer), "gradient_checkpointing"):
         raise ConversionError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer")
-    setattr(layer, STATE, LayerRecompute(layer, mode, shape_of))
+    setattr(layer, STATE, ConvertedLayerState(layer, mode, shape_of))
     patch_forward(layer, _decoder_layer_forward)

@@ -130,7 +130,7 @@ def activate(act_fn, h, up=None):
     return recompute.discardable(out, _module_product, act_fn, h, up)
 
 
-# --- The gated MLP (Llama family): act(gate) * up, keeping gate and up.
+# --- The gated MLP (Llama-shaped models): act(gate) * up, keeping gate and up.
 
 def swiglu_mlp_forward(self, x):
     """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(act_fn(gate(x)) * up(x)), projections as modules."""
