@@ -1,5 +1,5 @@
 // Element types the kernels read and write, without torch headers. Codes match
-// selective_ckpt.ops.DTYPE_CODES. Arithmetic happens in Acc (float, or double for float64);
+// selective_ckpt.backend.DTYPE_CODES. Arithmetic happens in Acc (float, or double for float64);
 // conversions round to nearest even like torch's.
 #pragma once
 #include <cstdint>

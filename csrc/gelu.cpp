@@ -27,58 +27,20 @@ namespace py = pybind11;
 namespace sckpt {
 namespace {
 
-constexpr double kInvSqrt2 = 0.70710678118654752440;     // 1 / sqrt(2)
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;   // 1 / sqrt(2 pi)
-
-// erfc(z) for z >= 0 as t exp(-z^2 + P(t)), t = 1 / (1 + z/2), the form of Press et al.,
-// Numerical Recipes 6.2 (Chebyshev fitting). P is our own degree-9 weighted least-squares fit of
-// log(erfc(z) / t) + z^2 on z in [0, 10] (float64, 4000 Chebyshev nodes in t): fit error
-// 4.5e-8 relative, below float's 6e-8 rounding. z is clamped to 10, where erfc is below 1e-44.
-inline float erfc_nonneg_f(float z) {
-  z = z > 10.0f ? 10.0f : z;
-  const float t = 1.0f / (1.0f + 0.5f * z);
-  float p = 0.14219455973057823f;
-  p = p * t - 0.6660647390410154f;
-  p = p * t + 1.1224047664077779f;
-  p = p * t - 0.6512533726885484f;
-  p = p * t - 0.11678360430364716f;
-  p = p * t + 0.020193995444781145f;
-  p = p * t + 0.0283577470652147f;
-  p = p * t + 0.38789960096253795f;
-  p = p * t + 0.9984925302961075f;
-  p = p * t - 1.2654414386513118f;
-  return t * fast_expf(p - z * z);
-}
-
-// Phi(x), the standard normal CDF: 1 - erfc/2 on the right, erfc/2 on the left, so the left
-// tail keeps its relative accuracy.
-inline float normal_cdf_f(float x) {
-  const float half_erfc = 0.5f * erfc_nonneg_f((x < 0.0f ? -x : x) * float(kInvSqrt2));
-  return x < 0.0f ? half_erfc : 1.0f - half_erfc;
-}
-
 template <bool kTanh>
 inline float gelu_f(float x) {
-  return kTanh ? gelu_tanh_f(x) : x * normal_cdf_f(x);
+  return kTanh ? gelu_tanh_f(x) : gelu_erf_f(x);
 }
 
-// d/dx x * Phi(x) = Phi(x) + x phi(x); the tanh form's derivative is in activations.h.
 template <bool kTanh>
 inline float gelu_grad_f(float x) {
-  if (kTanh) return gelu_tanh_grad_f(x);
-  return normal_cdf_f(x) + x * float(kInvSqrt2Pi) * fast_expf(-0.5f * x * x);
+  return kTanh ? gelu_tanh_grad_f(x) : gelu_erf_grad_f(x);
 }
 
 // float64 through libm.
-inline double gelu_d(double x, bool tanh_form) {
-  if (tanh_form) return gelu_tanh_d(x);
-  return 0.5 * x * std::erfc(-x * kInvSqrt2);
-}
+inline double gelu_d(double x, bool tanh_form) { return tanh_form ? gelu_tanh_d(x) : gelu_erf_d(x); }
 
-inline double gelu_grad_d(double x, bool tanh_form) {
-  if (tanh_form) return gelu_tanh_grad_d(x);
-  return 0.5 * std::erfc(-x * kInvSqrt2) + x * kInvSqrt2Pi * std::exp(-0.5 * x * x);
-}
+inline double gelu_grad_d(double x, bool tanh_form) { return tanh_form ? gelu_tanh_grad_d(x) : gelu_erf_grad_d(x); }
 
 // The float loops, compiled per target; every dtype but float64 computes through them.
 SCKPT_CLONES void gelu_floats(const float* __restrict h, float* __restrict a, int64_t n, bool tanh_form) {

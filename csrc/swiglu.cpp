@@ -1,8 +1,8 @@
 // Elementwise passes of the gated MLP (selective_ckpt/ops/swiglu.py), y = down(act(gate) * up):
 //   forward (and backward's rebuild for down's weight gradient):  a = act(gate) * up
 //   backward, one pass over (g, gate, up):  dgate = g * up * act'(gate),  dup = g * act(gate)
-// act is SiLU (SwiGLU, code 0) or tanh-GELU (GeGLU, code 1). dgate may be g's own buffer (the
-// grad of down's input, written in place), so backward allocates only dup.
+// act is SiLU (SwiGLU, code 0), tanh-GELU (GeGLU, code 1) or exact erf GELU (GeGLU, code 2). dgate may
+// be g's own buffer (the grad of down's input, written in place), so backward allocates only dup.
 //
 // float, bfloat16 and float16 compute in float through the branch-free math of activations.h,
 // staged in blocks of floats so the loops vectorise; float64 uses libm.
@@ -21,16 +21,30 @@ namespace {
 
 template <int kAct>
 inline float act_f(float x) {
-  return kAct == 0 ? silu_f(x) : gelu_tanh_f(x);
+  return kAct == 0 ? silu_f(x) : (kAct == 1 ? gelu_tanh_f(x) : gelu_erf_f(x));
 }
 
 template <int kAct>
 inline float act_grad_f(float x) {
-  return kAct == 0 ? silu_grad_f(x) : gelu_tanh_grad_f(x);
+  return kAct == 0 ? silu_grad_f(x) : (kAct == 1 ? gelu_tanh_grad_f(x) : gelu_erf_grad_f(x));
 }
 
-inline double act_d(double x, int act) { return act == 0 ? silu_d(x) : gelu_tanh_d(x); }
-inline double act_grad_d(double x, int act) { return act == 0 ? silu_grad_d(x) : gelu_tanh_grad_d(x); }
+inline double act_d(double x, int act) { return act == 0 ? silu_d(x) : (act == 1 ? gelu_tanh_d(x) : gelu_erf_d(x)); }
+inline double act_grad_d(double x, int act) {
+  return act == 0 ? silu_grad_d(x) : (act == 1 ? gelu_tanh_grad_d(x) : gelu_erf_grad_d(x));
+}
+
+// The float loops for activation code act (0, 1, 2), each compiled per target.
+template <class F>
+void with_act(int act, F&& f) {
+  if (act == 0) {
+    f(std::integral_constant<int, 0>{});
+  } else if (act == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else {
+    f(std::integral_constant<int, 2>{});
+  }
+}
 
 template <int kAct>
 SCKPT_CLONES void product_floats(const float* __restrict g, const float* __restrict u, float* __restrict a,
@@ -66,14 +80,14 @@ void product_span(const T* g, const T* u, T* a, int64_t n, int act) {
   if constexpr (std::is_same_v<T, double>) {
     for (int64_t i = 0; i < n; ++i) a[i] = act_d(g[i], act) * u[i];
   } else if constexpr (std::is_same_v<T, float>) {
-    act == 0 ? product_floats<0>(g, u, a, n) : product_floats<1>(g, u, a, n);
+    with_act(act, [&](auto k) { product_floats<decltype(k)::value>(g, u, a, n); });
   } else {
     float gb[kBlock], ub[kBlock], ab[kBlock];
     for (int64_t b = 0; b < n; b += kBlock) {
       const int64_t len = n - b < kBlock ? n - b : kBlock;
       load_block(g + b, gb, len);
       load_block(u + b, ub, len);
-      act == 0 ? product_floats<0>(gb, ub, ab, len) : product_floats<1>(gb, ub, ab, len);
+      with_act(act, [&](auto k) { product_floats<decltype(k)::value>(gb, ub, ab, len); });
       store_block(ab, a + b, len);
     }
   }
@@ -88,7 +102,7 @@ void backward_span(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n,
       dg[i] = d * u[i] * act_grad_d(g[i], act);
     }
   } else if constexpr (std::is_same_v<T, float>) {
-    act == 0 ? backward_floats<0>(dy, g, u, dg, du, n) : backward_floats<1>(dy, g, u, dg, du, n);
+    with_act(act, [&](auto k) { backward_floats<decltype(k)::value>(dy, g, u, dg, du, n); });
   } else {
     float yb[kBlock], gb[kBlock], ub[kBlock], dgb[kBlock], dub[kBlock];
     for (int64_t b = 0; b < n; b += kBlock) {
@@ -96,14 +110,14 @@ void backward_span(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n,
       load_block(dy + b, yb, len);
       load_block(g + b, gb, len);
       load_block(u + b, ub, len);
-      act == 0 ? backward_floats<0>(yb, gb, ub, dgb, dub, len) : backward_floats<1>(yb, gb, ub, dgb, dub, len);
+      with_act(act, [&](auto k) { backward_floats<decltype(k)::value>(yb, gb, ub, dgb, dub, len); });
       store_block(dgb, dg + b, len);
       store_block(dub, du + b, len);
     }
   }
 }
 
-// gate, up, a: contiguous buffers of n elements; act 0 = SiLU, 1 = tanh-GELU.
+// gate, up, a: contiguous buffers of n elements; act 0 = SiLU, 1 = tanh-GELU, 2 = erf GELU.
 void swiglu_forward(int dtype, uintptr_t gate, uintptr_t up, uintptr_t a, int64_t n, int act) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);

@@ -5,7 +5,7 @@ masks, GELU and LayerNorm outputs are recomputed inside the backward kernels.
 """
 
 from . import memory, rng
-from .layers import SelectiveAttention, SelectiveDecoderLayer, SelectiveMLP, set_recompute
+from .layers import SelectiveDecoderLayer, set_recompute
 from .models import ConversionError, convert
 from .ops.attention import attention
 from .ops.dropout import dropout
@@ -13,7 +13,8 @@ from .ops.gelu import gelu_mlp
 from .ops.layer_norm import layer_norm
 from .ops.rms_norm import rms_norm
 from .ops.swiglu import swiglu_mlp
+from .registry import recomputable_layers
 
-__all__ = ["ConversionError", "SelectiveAttention", "SelectiveDecoderLayer", "SelectiveMLP", "attention", "convert",
-           "dropout", "gelu_mlp", "layer_norm", "memory", "rms_norm", "rng", "set_recompute", "swiglu_mlp"]
+__all__ = ["ConversionError", "SelectiveDecoderLayer", "attention", "convert", "dropout", "gelu_mlp", "layer_norm",
+           "memory", "recomputable_layers", "rms_norm", "rng", "set_recompute", "swiglu_mlp"]
 __version__ = "0.1.0"

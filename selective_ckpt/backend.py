@@ -1,15 +1,15 @@
 """The one place that picks the C++ or the Triton kernels for a tensor and adapts the call.
 
-Op code (selective_ckpt/ops/) calls `call(family, fn, *args)` and never branches on the backend:
+Op code (selective_ckpt/ops/) calls `call(op_family, fn, *args)` and never branches on the backend:
 
 - Triton (CUDA tensors, or CPU tensors with SELECTIVE_CKPT_BACKEND=triton and TRITON_INTERPRET=1):
-  `selective_ckpt.triton_kernels.<family>.<fn>(*args)`, tensors as they are.
-- C++ (CPU tensors): `_C.<family>_<fn>(dtype code of the first tensor, *args)` with every tensor
-  replaced by its data pointer and None by 0, unless the family registers an adapter below
+  `selective_ckpt.triton_kernels.<op_family>.<fn>(*args)`, tensors as they are.
+- C++ (CPU tensors): `_C.<op_family>_<fn>(dtype code of the first tensor, *args)` with every tensor
+  replaced by its data pointer and None by 0, unless the op family registers an adapter below
   (`_CPP_ADAPTERS`) for calls that need shapes, strides or a different split of the work.
 
-FAMILIES is the table of kernel families: a family is csrc/<family>.cpp, triton_kernels/<family>.py,
-selective_ckpt/ops/<family>.py and tests/ops/test_<family>.py, and one entry here.
+An op family is csrc/<op_family>.cpp, triton_kernels/<op_family>.py, selective_ckpt/ops/<op_family>.py
+and tests/ops/test_<op_family>.py; its name is the first argument of `call`.
 """
 
 import importlib
@@ -20,8 +20,6 @@ import torch
 from ._extension import load as _load_extension
 
 _C = _load_extension()
-
-FAMILIES = ("dropout", "layer_norm", "gelu", "attention", "rms_norm", "swiglu")
 
 BACKEND_ENV = "SELECTIVE_CKPT_BACKEND"
 _CHOICES = ("auto", "cpp", "triton")
@@ -44,8 +42,8 @@ def backend_for(t: torch.Tensor) -> str:
     return "triton" if choice == "triton" else "cpp"
 
 
-def _triton_module(family):
-    return importlib.import_module(f"{__package__}.triton_kernels.{family}")
+def _triton_module(op_family):
+    return importlib.import_module(f"{__package__}.triton_kernels.{op_family}")
 
 
 def _pointer(a):
@@ -58,15 +56,15 @@ def _first_tensor(args):
     return next(a for a in args if isinstance(a, torch.Tensor))
 
 
-def call(family: str, fn: str, *args):
-    """Runs kernel `fn` of `family` on the backend of its first tensor argument."""
+def call(op_family: str, fn: str, *args):
+    """Runs kernel `fn` of `op_family` on the backend of its first tensor argument."""
     like = _first_tensor(args)
     if backend_for(like) == "triton":
-        return getattr(_triton_module(family), fn)(*args)
-    adapter = _CPP_ADAPTERS.get((family, fn))
+        return getattr(_triton_module(op_family), fn)(*args)
+    adapter = _CPP_ADAPTERS.get((op_family, fn))
     if adapter is not None:
         return adapter(*args)
-    return getattr(_C, f"{family}_{fn}")(DTYPE_CODES[like.dtype], *map(_pointer, args))
+    return getattr(_C, f"{op_family}_{fn}")(DTYPE_CODES[like.dtype], *map(_pointer, args))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,27 +1,35 @@
-"""Pre-norm fusions of the decoder layer: a norm and the matmul that consumes it in one autograd node.
+"""A norm and what consumes its output, in one autograd node: the pre-norm fusion of the decoder layer.
 
-- `ln_linear(...)`: LayerNorm followed by a Linear. It keeps x, mean and rstd and rebuilds LN(x)
-  in backward for the Linear's weight gradient (or keeps LN(x) when `store`).
-- `ln_mlp(...)`: LayerNorm followed by the GELU-MLP (ops/gelu.py): keeps x, mean, rstd and the fc1
-  output; LN(x) and the GELU output are rebuilt in backward unless `store`.
-- `rms_linear(...)`, `rms_mlp(...)`: the same with RMSNorm (Llama form, ops/rms_norm.py; keeps x
-  and rstd) and, for the MLP, the gated MLP (ops/swiglu.py; keeps the gate and up outputs).
+The norm is LayerNorm (affine, with or without bias; keeps x, mean, rstd) or RMSNorm with an offset
+(y = x * rstd * (offset + w), ops/rms_norm.py; keeps x and rstd). The consumer is
 
-Stored and recomputed LayerNorm outputs come from the same kernel and the same saved statistics,
-so `store=True` and `store=False` give bit-identical gradients.
+- `norm_linear(...)`: one or several Linears reading the norm output (q, k, v as one or three);
+- `norm_mlp(...)`: an MLP of any kernel activation, plain (fc1 -> act -> fc2, ops/gelu.py; keeps
+  the fc1 output) or gated (down(act(gate) * up), ops/swiglu.py; keeps the gate and up outputs).
 
-Mixed precision follows eager autocast: the LayerNorm runs in the input dtype (float32 under CUDA
-autocast, which is what eager's layer_norm does there) and the matmuls in `compute_dtype`.
+The norm output (and the MLP's activation output) is rebuilt in backward unless `store`. Stored and
+rebuilt outputs come from the same kernel and the same saved statistics, so `store=True` and
+`store=False` give bit-identical gradients.
+
+Mixed precision follows eager autocast: LayerNorm runs in the input dtype (float32 under CUDA
+autocast, which is what eager's layer_norm does there), RMSNorm in the input dtype whatever
+autocast says (Hugging Face's RMSNorm upcasts to float32 itself and casts back), and the matmuls
+in `compute_dtype`.
 """
 
 import torch
 import torch.nn.functional as F
 
+from .activations import GELU_APPROXIMATE, KERNEL_ACTIVATIONS
 from .double_backward import first_order_only
 from .ops.gelu import mlp_backward, mlp_forward
 from .ops.layer_norm import layer_norm_apply, layer_norm_bwd, layer_norm_fwd
 from .ops.rms_norm import rms_norm_apply, rms_norm_bwd, rms_norm_fwd
 from .ops.swiglu import gated_mlp_backward, gated_mlp_forward
+from .validation import NORMS, check_choice
+
+MLP_KINDS = ("plain", "gated")
+_SETTINGS = 11  # _NormThen's inputs before x: op, norm, eps, offset, consumer, mlp, activation, p, seed, store, cd
 
 
 def norm_dtype(x):
@@ -43,188 +51,169 @@ def _cast(t, dtype):
     return None if t is None else t.to(dtype)
 
 
-def _ln_forward(x, ln_w, ln_b, eps, nd):
-    xn = x.to(nd)
-    y, mean, rstd = layer_norm_fwd(xn, ln_w.to(nd), _cast(ln_b, nd), eps)
-    return y, mean, rstd
+# --- the norm: forward, rebuild from its statistics, gradients
+
+def _norm_forward(norm, x, w, b, eps, offset, nd):
+    """(y, statistics) with y in nd."""
+    if norm == "rmsnorm":
+        y, rstd = rms_norm_fwd(x, w.to(x.dtype), eps, offset)
+        return y, (rstd,)
+    y, mean, rstd = layer_norm_fwd(x.to(nd), w.to(nd), _cast(b, nd), eps)
+    return y, (mean, rstd)
 
 
-def _ln_recompute(x, ln_w, ln_b, mean, rstd, nd):
-    return layer_norm_apply(x.to(nd), ln_w.to(nd), _cast(ln_b, nd), mean, rstd)
+def _norm_rebuild(ctx, x, w, b, stats):
+    if ctx.norm == "rmsnorm":
+        return rms_norm_apply(x, w.to(x.dtype), stats[0], ctx.offset)
+    nd = ctx.nd
+    return layer_norm_apply(x.to(nd), w.to(nd), _cast(b, nd), *stats)
 
 
-def _ln_grads(ctx, dy_norm, x, ln_w, mean, rstd, nd, first):
-    """(dx, dln_w, dln_b) in the dtypes of x and the LayerNorm parameters."""
-    dx, dw, db = layer_norm_bwd(dy_norm.to(nd).contiguous(), x.to(nd), mean, rstd, ln_w.to(nd))
+def _norm_grads(ctx, du, x, w, stats):
+    """(dx, dw, db) in the dtypes of x and the norm parameters, None where not needed."""
+    need = ctx.needs_input_grad[_SETTINGS:_SETTINGS + 3]  # x, weight, bias
+    if ctx.norm == "rmsnorm":
+        dx, dw = rms_norm_bwd(du.to(x.dtype).contiguous(), x, stats[0], w.to(x.dtype), ctx.offset)
+        return (dx if need[0] else None), (dw.to(w.dtype) if need[1] else None), None
+    nd = ctx.nd
+    dx, dw, db = layer_norm_bwd(du.to(nd).contiguous(), x.to(nd), *stats, w.to(nd))
+    return (dx.to(x.dtype) if need[0] else None, dw.to(w.dtype) if need[1] else None,
+            db.to(w.dtype) if need[2] and ctx.has_norm_bias else None)
+
+
+# --- the consumers. forward(ctx, u, params, seed) -> (outputs, tensors backward keeps);
+# backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild) -> (du, parameter grads in their dtypes).
+
+def _linears_forward(ctx, u, params, seed):
+    cd = ctx.cd
+    outs = tuple(F.linear(u, w.to(cd), _cast(b, cd)) for w, b in zip(params[::2], params[1::2]))
+    return outs, params
+
+
+def _linears_backward(ctx, douts, u, params, seed, need_u, need_params, rebuild):
+    cd = ctx.cd
+    ws, bs = params[::2], params[1::2]
+    d2s = [d.contiguous().reshape(-1, d.shape[-1]) for d in douts]
+    grads = []
+    if any(need_params[::2]) and u is None:
+        u = rebuild()
+    for i, (w, b, d2) in enumerate(zip(ws, bs, d2s)):
+        grads.append((d2.t() @ u.reshape(-1, u.shape[-1])).to(w.dtype) if need_params[2 * i] else None)
+        grads.append(d2.sum(0).to(w.dtype) if need_params[2 * i + 1] and b is not None else None)
+    del u
+    du = None
+    if need_u:
+        for w, d2 in zip(ws, d2s):
+            du = d2 @ w.to(cd) if du is None else torch.addmm(du, d2, w.to(cd))
+        du = du.reshape(*douts[0].shape[:-1], du.shape[-1])
+    return du, grads
+
+
+def _mlp_forward(ctx, u, params, seed):
+    cast = tuple(_cast(t, ctx.cd) for t in params)
+    if ctx.mlp == "gated":
+        out, gate, up, a = gated_mlp_forward(u, *cast, ctx.p, ctx.activation, seed, ctx.store)
+        return (out,), (*cast, gate, up, a)
+    out, h, a = mlp_forward(u, *cast, ctx.p, GELU_APPROXIMATE[ctx.activation], seed, ctx.store)
+    return (out,), (*cast, h, a)
+
+
+def _mlp_backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild):
+    if u is None:
+        u = rebuild()
+    n = len(ctx.param_dtypes)
+    cast, inner = kept[:n], kept[n:]
+    args = (douts[0].contiguous(), u, *inner, *cast, ctx.p)
+    if ctx.mlp == "gated":
+        grads = gated_mlp_backward(*args, ctx.activation, seed, (need_u, *need_params))
+    else:
+        grads = mlp_backward(*args, GELU_APPROXIMATE[ctx.activation], seed, (need_u, *need_params))
+    del u, args
+    return grads[0], [g if g is None or dt is None else g.to(dt) for g, dt in zip(grads[1:], ctx.param_dtypes)]
+
+
+_CONSUMERS = {"linear": (_linears_forward, _linears_backward), "mlp": (_mlp_forward, _mlp_backward)}
+
+
+class _NormThen(torch.autograd.Function):
+    """x -> norm -> consumer. Inputs after the settings: x, the norm's weight and bias, then the
+    consumer's (weight, bias) pairs. Keeps x, the norm statistics, what the consumer keeps, the
+    dropout seed, and the norm output when `store`."""
+
+    @staticmethod
+    def forward(ctx, op, norm, eps, offset, consumer, mlp, activation, p, seed, store, cd, x, norm_w, norm_b,
+                *params):
+        ctx.op, ctx.norm, ctx.offset, ctx.consumer, ctx.cd = op, norm, offset, consumer, cd
+        ctx.mlp, ctx.activation, ctx.p, ctx.store = mlp, activation, p, store
+        ctx.has_norm_bias = norm_b is not None
+        ctx.param_dtypes = tuple(None if t is None else t.dtype for t in params)
+        ctx.nd = x.dtype if norm == "rmsnorm" or cd == x.dtype else norm_dtype(x)
+        y, stats = _norm_forward(norm, x, norm_w, norm_b, eps, offset, ctx.nd)
+        u = y.to(cd)
+        outs, kept = _CONSUMERS[consumer][0](ctx, u, params, seed)
+        ctx.n_stats = len(stats)
+        ctx.save_for_backward(x, norm_w, norm_b, *stats, *kept, u if store else None, seed if p else None)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *douts):
+        return _BACKWARD[ctx.op](ctx, *douts)
+
+
+def _backward(ctx, *douts):
+    x, norm_w, norm_b, *rest = ctx.saved_tensors
+    stats, kept, (u, seed) = rest[:ctx.n_stats], rest[ctx.n_stats:-2], rest[-2:]
     need = ctx.needs_input_grad
-    return (dx.to(x.dtype) if need[first] else None, dw.to(ln_w.dtype) if need[first + 1] else None,
-            db.to(ln_w.dtype) if need[first + 2] and ctx.has_ln_bias else None)
+    need_u = any(need[_SETTINGS:_SETTINGS + 3])
+
+    def rebuild():
+        return _norm_rebuild(ctx, x, norm_w, norm_b, stats).to(ctx.cd)
+
+    du, grads = _CONSUMERS[ctx.consumer][1](ctx, douts, u, kept, seed, need_u, need[_SETTINGS + 3:], rebuild)
+    dx = dnw = dnb = None
+    if need_u:
+        dx, dnw, dnb = _norm_grads(ctx, du, x, norm_w, stats)
+    return (None,) * _SETTINGS + (dx, dnw, dnb, *grads)
 
 
-class _LNLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ln_w, ln_b, w, b, eps, store, cd):
-        nd = x.dtype if cd == x.dtype else norm_dtype(x)
-        y, mean, rstd = _ln_forward(x, ln_w, ln_b, eps, nd)
-        u = y.to(cd)
-        out = F.linear(u, w.to(cd), _cast(b, cd))
-        ctx.eps, ctx.store, ctx.cd, ctx.nd = eps, store, cd, nd
-        ctx.has_ln_bias, ctx.has_bias = ln_b is not None, b is not None
-        ctx.save_for_backward(x, ln_w, ln_b, w, mean, rstd, u if store else None)
-        return out
-
-    @staticmethod
-    @first_order_only("selective_ckpt.fused.ln_linear")
-    def backward(ctx, dout):
-        x, ln_w, ln_b, w, mean, rstd, u = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        dout = dout.contiguous()
-        d2 = dout.reshape(-1, dout.shape[-1])
-        dw = db = None
-        if need[3]:
-            if u is None:
-                u = _ln_recompute(x, ln_w, ln_b, mean, rstd, ctx.nd).to(ctx.cd)
-            dw = (d2.t() @ u.reshape(-1, u.shape[-1])).to(w.dtype)
-        if need[4] and ctx.has_bias:
-            db = d2.sum(0).to(w.dtype)
-        dx = dlw = dlb = None
-        if need[0] or need[1] or need[2]:
-            du = dout @ w.to(ctx.cd)
-            dx, dlw, dlb = _ln_grads(ctx, du, x, ln_w, mean, rstd, ctx.nd, 0)
-        return dx, dlw, dlb, dw, db, None, None, None
+_BACKWARD = {op: first_order_only(f"selective_ckpt.fused.{op}")(_backward) for op in ("norm_linear", "norm_mlp")}
 
 
-def ln_linear(x, ln_w, ln_b, w, b, eps=1e-5, store=False):
-    """F.linear(layer_norm(x), w, b) in one autograd node keeping x, mean, rstd (+ LN(x) if store)."""
-    return _LNLinear.apply(x, ln_w, ln_b, w, b, float(eps), bool(store), compute_dtype(x))
+def _check_norm(norm, norm_b):
+    check_choice(norm, "norm", dict.fromkeys(NORMS))
+    if norm == "rmsnorm" and norm_b is not None:
+        raise ValueError("norm_b must be None for norm='rmsnorm' (RMSNorm has no bias)")
 
 
-class _LNMLP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, eps, p, approximate, seed, store, cd):
-        nd = x.dtype if cd == x.dtype else norm_dtype(x)
-        y, mean, rstd = _ln_forward(x, ln_w, ln_b, eps, nd)
-        u = y.to(cd)
-        w1c, b1c, w2c, b2c = w1.to(cd), _cast(b1, cd), w2.to(cd), _cast(b2, cd)
-        out, h, a = mlp_forward(u, w1c, b1c, w2c, b2c, p, approximate, seed, store)
-        ctx.eps, ctx.store, ctx.cd, ctx.nd = eps, store, cd, nd
-        ctx.p, ctx.approximate = p, approximate
-        ctx.has_ln_bias = ln_b is not None
-        ctx.param_dtypes = (w1.dtype, None if b1 is None else b1.dtype, w2.dtype, None if b2 is None else b2.dtype)
-        ctx.save_for_backward(x, ln_w, ln_b, w1c, b1c, w2c, b2c, mean, rstd, h, a, u if store else None,
-                              seed if p else None)
-        return out
+def norm_linear(x, norm_w, norm_b, linears, *, norm="layernorm", eps=1e-5, offset=0.0, store=False):
+    """F.linear(norm(x), w, b) for each (w, b) in `linears`, in one autograd node keeping x and the
+    norm statistics (+ the norm output if store). Returns one output per Linear (a tensor for one).
 
-    @staticmethod
-    @first_order_only("selective_ckpt.fused.ln_mlp")
-    def backward(ctx, dy):
-        x, ln_w, ln_b, w1, b1, w2, b2, mean, rstd, h, a, u, seed = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        if u is None:
-            u = _ln_recompute(x, ln_w, ln_b, mean, rstd, ctx.nd).to(ctx.cd)
-        need_u = need[0] or need[1] or need[2]
-        mlp_need = (need_u, need[3], need[4], need[5], need[6])
-        du, dw1, db1, dw2, db2 = mlp_backward(dy.contiguous(), u, h, a, w1, b1, w2, b2, ctx.p, ctx.approximate,
-                                                 seed, mlp_need)
-        grads = [g if (g is None or dt is None) else g.to(dt) for g, dt in zip((dw1, db1, dw2, db2), ctx.param_dtypes)]
-        dx = dlw = dlb = None
-        if need_u:
-            dx, dlw, dlb = _ln_grads(ctx, du, x, ln_w, mean, rstd, ctx.nd, 0)
-        return (dx, dlw, dlb, *grads, None, None, None, None, None, None)
-
-
-def ln_mlp(x, ln_w, ln_b, w1, b1, w2, b2, eps=1e-5, dropout_p=0.0, approximate="none", seed=None, store=False):
-    """gelu_mlp(layer_norm(x)) in one autograd node keeping x, mean, rstd and the fc1 output.
-
-    `seed` is the seed tensor (rng.seed_arg) on x's device, required when dropout_p > 0.
-
-    With `store`, LN(x) and the GELU output are kept too (nothing recomputed, same bits).
+    norm: "layernorm" (norm_b optional) or "rmsnorm" (norm_b None; y = x * rstd * (offset + norm_w)).
     """
-    return _LNMLP.apply(x, ln_w, ln_b, w1, b1, w2, b2, float(eps), float(dropout_p), approximate, seed, bool(store),
-                        compute_dtype(x))
+    _check_norm(norm, norm_b)
+    params = [t for wb in linears for t in wb]
+    if not params or len(params) % 2:
+        raise ValueError("linears must be a non-empty sequence of (weight, bias or None) pairs")
+    return _NormThen.apply("norm_linear", norm, float(eps), float(offset), "linear", None, None, 0.0, None,
+                           bool(store), compute_dtype(x), x, norm_w, norm_b, *params)
 
 
-# RMSNorm (Llama form: offset 0) runs in the input's dtype whatever autocast says, as Hugging Face's
-# LlamaRMSNorm does (it upcasts to float32 itself and casts back to the input dtype).
+def norm_mlp(x, norm_w, norm_b, params, *, norm="layernorm", eps=1e-5, offset=0.0, mlp="plain", activation="gelu",
+             dropout_p=0.0, seed=None, store=False):
+    """mlp(norm(x)) in one autograd node keeping x, the norm statistics and the MLP's matmul outputs.
 
-
-def _rms_grads(dy_norm, x, norm_w, rstd, need_x, need_w):
-    """(dx, dnorm_w) in the dtypes of x and the norm weight, None where not needed."""
-    dx, dw = rms_norm_bwd(dy_norm.to(x.dtype).contiguous(), x, rstd, norm_w.to(x.dtype), 0.0)
-    return (dx if need_x else None), (dw.to(norm_w.dtype) if need_w else None)
-
-
-class _RMSLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, norm_w, w, b, eps, store, cd):
-        y, rstd = rms_norm_fwd(x, norm_w.to(x.dtype), eps, 0.0)
-        u = y.to(cd)
-        out = F.linear(u, w.to(cd), _cast(b, cd))
-        ctx.cd, ctx.has_bias = cd, b is not None
-        ctx.save_for_backward(x, norm_w, w, rstd, u if store else None)
-        return out
-
-    @staticmethod
-    @first_order_only("selective_ckpt.fused.rms_linear")
-    def backward(ctx, dout):
-        x, norm_w, w, rstd, u = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        d2 = dout.contiguous().reshape(-1, dout.shape[-1])
-        dw = db = dx = dnw = None
-        if need[2]:
-            if u is None:
-                u = rms_norm_apply(x, norm_w.to(x.dtype), rstd, 0.0).to(ctx.cd)
-            dw = (d2.t() @ u.reshape(-1, u.shape[-1])).to(w.dtype)
-            del u
-        if need[3] and ctx.has_bias:
-            db = d2.sum(0).to(w.dtype)
-        if need[0] or need[1]:
-            du = (d2 @ w.to(ctx.cd)).reshape(x.shape)
-            dx, dnw = _rms_grads(du, x, norm_w, rstd, need[0], need[1])
-        return dx, dnw, dw, db, None, None, None
-
-
-def rms_linear(x, norm_w, w, b, eps=1e-6, store=False):
-    """F.linear(rms_norm(x), w, b) in one autograd node keeping x and rstd (+ the norm output if store)."""
-    return _RMSLinear.apply(x, norm_w, w, b, float(eps), bool(store), compute_dtype(x))
-
-
-class _RMSMLP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, norm_w, w_gate, b_gate, w_up, b_up, w_down, b_down, eps, p, activation, seed, store, cd):
-        y, rstd = rms_norm_fwd(x, norm_w.to(x.dtype), eps, 0.0)
-        u = y.to(cd)
-        params = tuple(_cast(t, cd) for t in (w_gate, b_gate, w_up, b_up, w_down, b_down))
-        out, gate, up, a = gated_mlp_forward(u, *params, p, activation, seed, store)
-        ctx.cd, ctx.p, ctx.activation = cd, p, activation
-        ctx.param_dtypes = tuple(None if t is None else t.dtype for t in (w_gate, b_gate, w_up, b_up, w_down, b_down))
-        ctx.save_for_backward(x, norm_w, *params, rstd, gate, up, a, u if store else None, seed if p else None)
-        return out
-
-    @staticmethod
-    @first_order_only("selective_ckpt.fused.rms_mlp")
-    def backward(ctx, dy):
-        x, norm_w, wg, bg, wu, bu, wd, bd, rstd, gate, up, a, u, seed = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        if u is None:
-            u = rms_norm_apply(x, norm_w.to(x.dtype), rstd, 0.0).to(ctx.cd)
-        need_u = need[0] or need[1]
-        grads = gated_mlp_backward(dy.contiguous(), u, gate, up, a, wg, bg, wu, bu, wd, bd, ctx.p, ctx.activation,
-                                   seed, (need_u, *need[2:8]))
-        del u
-        params = [g if (g is None or dt is None) else g.to(dt) for g, dt in zip(grads[1:], ctx.param_dtypes)]
-        dx = dnw = None
-        if need_u:
-            dx, dnw = _rms_grads(grads[0], x, norm_w, rstd, need[0], need[1])
-        return (dx, dnw, *params, None, None, None, None, None, None)
-
-
-def rms_mlp(x, norm_w, w_gate, b_gate, w_up, b_up, w_down, b_down, eps=1e-6, dropout_p=0.0, activation="silu",
-            seed=None, store=False):
-    """swiglu_mlp(rms_norm(x)) in one autograd node keeping x, rstd and the gate and up outputs.
-
-    `seed` is the seed tensor (rng.seed_arg) on x's device, required when dropout_p > 0. With
-    `store`, the norm output and the product act(gate) * up are kept too (nothing rebuilt, same bits).
+    params: (w1, b1, w2, b2) for mlp="plain" (fc2(act(fc1(.)))), (w_gate, b_gate, w_up, b_up, w_down,
+    b_down) for mlp="gated" (down(act(gate(.)) * up(.))), nn.Linear layout, biases None or tensors.
+    activation: a kernel activation ("silu", "gelu", "gelu_tanh"; the plain MLP takes the two GELUs).
+    `seed` is the seed tensor (rng.seed_arg) on x's device, required when dropout_p > 0. With `store`,
+    the norm output and the activation output (or product) are kept too (nothing rebuilt, same bits).
     """
-    return _RMSMLP.apply(x, norm_w, w_gate, b_gate, w_up, b_up, w_down, b_down, float(eps), float(dropout_p),
-                         activation, seed, bool(store), compute_dtype(x))
+    _check_norm(norm, norm_b)
+    check_choice(mlp, "mlp", dict.fromkeys(MLP_KINDS))
+    check_choice(activation, "activation", dict.fromkeys(KERNEL_ACTIVATIONS if mlp == "gated" else GELU_APPROXIMATE))
+    if len(params) != (6 if mlp == "gated" else 4):
+        raise ValueError(f"params of a {mlp} MLP are {'6' if mlp == 'gated' else '4'} tensors (weight, bias pairs), "
+                         f"got {len(params)}")
+    return _NormThen.apply("norm_mlp", norm, float(eps), float(offset), "mlp", mlp, activation, float(dropout_p),
+                           seed, bool(store), compute_dtype(x), x, norm_w, norm_b, *params)

@@ -1,21 +1,20 @@
-"""SelectiveAttention, SelectiveMLP and the pre-LN SelectiveDecoderLayer, with recompute modes.
+"""The pre-norm SelectiveDecoderLayer and set_recompute, with recompute modes.
 
-Per token and hidden unit, in elements, a layer keeps for backward (docs/DESIGN.md's contract):
+Any norm (LayerNorm, RMSNorm) goes with any MLP (plain fc1 -> act -> fc2 for activation "gelu" /
+"gelu_tanh", gated down(act(gate) * up) for "swiglu" / "geglu"). Per token, in elements, a layer
+keeps for backward (docs/DESIGN.md, "What a layer keeps" and "The decoder layer"):
 
-- "selective": x (LN1 input) 1, the qkv output 3 (q, k, v are views of it), the attention output
-  o 1 (proj reads it in place), x1 (LN2 input) 1, the fc1 output mlp_ratio: 10 with mlp_ratio 4,
-  plus the fp32 row logsumexp [B, H, S] and the two LayerNorms' fp32 mean/rstd [B, S].
-- "none": the same kernels, but the two LayerNorm outputs and the GELU output are kept too (16).
-
-A Llama-style layer (norm="rmsnorm", activation "swiglu"/"geglu", num_kv_heads, rope_theta) keeps,
-per token, in elements: x h, q/k/v (H + 2 Hkv) D (after RoPE), o h, x1 h, the gate and up outputs
-2 ffn, plus lse and one fp32 rstd per norm; "none" adds both norm outputs and the product
-act(gate) * up (docs/DESIGN.md, "The Llama-style layer").
+- "selective": x (norm 1 input) h, the qkv output (H + 2 Hkv) D (q, k, v are views of it, after
+  RoPE), the attention output o h (proj reads it in place), x1 (norm 2 input) h and the MLP's
+  matmul outputs (fc1: ffn; gate and up: 2 ffn): 10 h for a GPT-style layer with mlp_ratio 4, plus
+  the fp32 row logsumexp [B, H, S] and each norm's fp32 statistics (LayerNorm: mean and rstd,
+  RMSNorm: rstd) [B, S].
+- "none": the same kernels, but both norm outputs and the activation output (or product) are kept too.
 - "full": torch.utils.checkpoint (non-reentrant) around the whole layer: only its input.
 
 All three give bit-identical outputs and gradients: the dropout seeds are drawn before the
-checkpointed region, so the re-run regenerates the same masks, and stored and recomputed
-LayerNorm/GELU outputs come from the same kernels.
+checkpointed region, so the re-run regenerates the same masks, and stored and recomputed norm and
+activation outputs come from the same kernels.
 """
 
 import torch
@@ -24,30 +23,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import fused, rng, rotary
+from .activations import ACTIVATIONS, GATED_LAYER_ACTIVATIONS
 from .ops.attention import attention_fwd_op
 from .ops.dropout import dropout_op
-from .ops.gelu import gelu_mlp
+from .registry import recomputable, recomputable_layers, state_of
 from .validation import (
-    GATED_ACTIVATIONS,
-    PLAIN_ACTIVATIONS,
     RECOMPUTE_MODES,
     SUPPORTED_DTYPES,
     check_bool,
-    check_heads,
     check_layer_shape,
     check_mode,
     check_positive_float,
     check_positive_int,
-    ffn_dim,
 )
-
-ACTIVATIONS = PLAIN_ACTIVATIONS  # activation -> GELU `approximate`
-
-
-def _check_activation(activation):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
-    return ACTIVATIONS[activation]
 
 
 def _check_input(x, hidden_dim, attention_mask, module):
@@ -102,62 +90,13 @@ def _draw(p, device):
     return rng.draw_seed_tensor(device) if p > 0 else None
 
 
-class SelectiveAttention(nn.Module):
-    """Self-attention block: qkv Linear, fused attention (keeps q, k, v, o, lse), proj, dropout.
-
-    forward(x [B, S, hidden], attention_mask [B, S] bool, True = attend) -> [B, S, hidden].
-    """
-
-    def __init__(self, hidden_dim, num_heads, dropout=0.0, attn_dropout=0.0, causal=True, bias=True,
-                 softmax_scale=None, device=None, dtype=None):
-        super().__init__()
-        check_heads(hidden_dim, num_heads)
-        rng.threshold(dropout, "dropout")
-        rng.threshold(attn_dropout, "attn_dropout")
-        check_bool(causal, "causal")
-        factory = {"device": device, "dtype": dtype}
-        self.hidden_dim, self.num_heads, self.causal = hidden_dim, num_heads, causal
-        self.dropout, self.attn_dropout, self.softmax_scale = float(dropout), float(attn_dropout), softmax_scale
-        self.qkv = nn.Linear(hidden_dim, 3 * hidden_dim, bias=bias, **factory)
-        self.proj = nn.Linear(hidden_dim, hidden_dim, bias=bias, **factory)
-
-    def forward(self, x, attention_mask=None):
-        _check_input(x, self.hidden_dim, attention_mask, self)
-        p_attn = self.attn_dropout if self.training else 0.0
-        p = self.dropout if self.training else 0.0
-        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
-        o = _attend(qkv, self.num_heads, self.causal, p_attn, attention_mask, _draw(p_attn, x.device),
-                    self.softmax_scale)
-        out = F.linear(o, self.proj.weight, self.proj.bias)
-        return dropout_op(out, p, _draw(p, x.device)) if p > 0 else out
-
-
-class SelectiveMLP(nn.Module):
-    """fc1 -> GELU -> fc2 -> dropout through selective_ckpt.gelu_mlp (keeps fc1 input and output)."""
-
-    def __init__(self, hidden_dim, mlp_ratio=4.0, dropout=0.0, activation="gelu", bias=True, device=None,
-                 dtype=None):
-        super().__init__()
-        check_positive_int(hidden_dim, "hidden_dim")
-        ffn = ffn_dim(hidden_dim, mlp_ratio)
-        self.approximate = _check_activation(activation)
-        rng.threshold(dropout, "dropout")
-        self.activation, self.dropout = activation, float(dropout)
-        factory = {"device": device, "dtype": dtype}
-        self.fc1 = nn.Linear(hidden_dim, ffn, bias=bias, **factory)
-        self.fc2 = nn.Linear(ffn, hidden_dim, bias=bias, **factory)
-
-    def forward(self, x):
-        p = self.dropout if self.training else 0.0
-        return gelu_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, dropout_p=p,
-                        approximate=self.approximate, seed=_draw(p, x.device) if p > 0 else None)
-
-
+@recomputable
 class SelectiveDecoderLayer(nn.Module):
-    """Pre-LN decoder layer: x1 = x + dropout(proj(attention(qkv(ln1(x))))), y = x1 + gelu_mlp(ln2(x1)).
+    """Pre-norm decoder layer: x1 = x + dropout(proj(attention(qkv(ln1(x))))), y = x1 + mlp(ln2(x1)).
 
-    Llama-style with norm="rmsnorm" and activation="swiglu" (or "geglu"): ln1, ln2 are nn.RMSNorm,
-    the MLP is down_proj(act(gate_proj(.)) * up_proj(.)); num_kv_heads < num_heads gives grouped-query
+    norm "layernorm" (nn.LayerNorm, with biases when bias) or "rmsnorm" (nn.RMSNorm); activation
+    "gelu" / "gelu_tanh" (fc1, fc2) or "swiglu" / "geglu" (gate_proj, up_proj, down_proj,
+    down(act(gate(.)) * up(.))), any with either norm. num_kv_heads < num_heads gives grouped-query
     attention (qkv outputs (H + 2 Hkv) * head_dim; q, k, v are views of it), rope_theta applies
     rotary embeddings to q and k (positions from position_ids, else 0..S-1), sliding_window limits
     each query to the last that many keys. ffn_dim, when given, wins over mlp_ratio.
@@ -176,8 +115,8 @@ class SelectiveDecoderLayer(nn.Module):
         self.head_dim, self.num_kv_heads, ffn = check_layer_shape(
             hidden_dim, num_heads, mlp_ratio, num_kv_heads=num_kv_heads, ffn_dim=ffn_dim, norm=norm,
             activation=activation, rope_theta=rope_theta, sliding_window=sliding_window)
-        self.gated = activation in GATED_ACTIVATIONS
-        self.approximate = GATED_ACTIVATIONS[activation] if self.gated else _check_activation(activation)
+        self.gated = activation in GATED_LAYER_ACTIVATIONS
+        self.kernel_activation = ACTIVATIONS[activation]
         self.norm, self.ffn_dim = norm, ffn
         self.rope_theta = None if rope_theta is None else float(rope_theta)
         self.sliding_window = sliding_window
@@ -226,6 +165,13 @@ class SelectiveDecoderLayer(nn.Module):
                 f"activation={self.activation!r}, dropout={self.dropout}, attn_dropout={self.attn_dropout}, "
                 f"recompute={self.recompute!r}")
 
+    def shape(self):
+        """The layer's LayerShape fields (memory.planner), its parameters' dtype included."""
+        return dict(hidden_dim=self.hidden_dim, num_heads=self.num_heads, mlp_ratio=self.ffn_dim / self.hidden_dim,
+                    dtype=next(self.parameters()).dtype, causal=self.causal, num_kv_heads=self.num_kv_heads,
+                    ffn_dim=self.ffn_dim, norm=self.norm, activation=self.activation,
+                    sliding_window=self.sliding_window)
+
     def _dropout_rates(self):
         return (self.attn_dropout, self.dropout) if self.training else (0.0, 0.0)
 
@@ -273,15 +219,17 @@ class SelectiveDecoderLayer(nn.Module):
         """Whether this forward builds an autograd graph (else checkpointing would only keep x alive)."""
         return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
+    @staticmethod
+    def _norm_bias(norm):
+        return getattr(norm, "bias", None)  # nn.RMSNorm has none
+
     def _block(self, x, attention_mask, seeds, store, position_ids=None):
         # The forward's rates: a site's seed is drawn iff its rate was on (also for "full"'s re-run).
         p_attn = self.attn_dropout if seeds[0] is not None else 0.0
         p = self.dropout if seeds[1] is not None else 0.0
-        if self.norm == "rmsnorm":
-            qkv = fused.rms_linear(x, self.ln1.weight, self.qkv.weight, self.qkv.bias, self.ln1.eps, store)
-        else:
-            qkv = fused.ln_linear(x, self.ln1.weight, self.ln1.bias, self.qkv.weight, self.qkv.bias, self.ln1.eps,
-                                  store)
+        norm = {"norm": self.norm, "store": store}
+        qkv = fused.norm_linear(x, self.ln1.weight, self._norm_bias(self.ln1), [(self.qkv.weight, self.qkv.bias)],
+                                eps=self.ln1.eps, **norm)
         if self.rope_theta is not None:
             qkv = rotary.rope_qkv(qkv, position_ids, self.num_heads, self.num_kv_heads, self.head_dim,
                                   self.rope_theta)
@@ -291,13 +239,10 @@ class SelectiveDecoderLayer(nn.Module):
         if p > 0:
             a = dropout_op(a, p, seeds[1])
         x1 = x + a
-        if self.gated:
-            m = fused.rms_mlp(x1, self.ln2.weight, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
-                              self.up_proj.bias, self.down_proj.weight, self.down_proj.bias, self.ln2.eps, p,
-                              self.approximate, seeds[2], store)
-        else:
-            m = fused.ln_mlp(x1, self.ln2.weight, self.ln2.bias, self.fc1.weight, self.fc1.bias, self.fc2.weight,
-                            self.fc2.bias, self.ln2.eps, p, self.approximate, seeds[2], store)
+        mlp = (self.gate_proj, self.up_proj, self.down_proj) if self.gated else (self.fc1, self.fc2)
+        m = fused.norm_mlp(x1, self.ln2.weight, self._norm_bias(self.ln2), [t for f in mlp for t in (f.weight, f.bias)],
+                           eps=self.ln2.eps, mlp="gated" if self.gated else "plain", activation=self.kernel_activation,
+                           dropout_p=p, seed=seeds[2], **norm)
         return x1 + m
 
 
@@ -310,9 +255,7 @@ def set_recompute(model, mode_or_list, every=None):
     - `every=k` with a mode: "full" on layers 0, k, 2k, ... and that mode on the rest (segment
       checkpointing: a full layer every k keeps only its input).
     """
-    # Converted Hugging Face decoder layers carry their mode in `_selective_ckpt` (models/common.py).
-    layers = [m if isinstance(m, SelectiveDecoderLayer) else m._selective_ckpt for m in model.modules()
-              if isinstance(m, SelectiveDecoderLayer) or hasattr(m, "_selective_ckpt")]
+    layers = [state_of(m) for m in recomputable_layers(model)]
     if not layers:
         raise ValueError(f"{type(model).__name__} contains no SelectiveDecoderLayer or converted decoder layer "
                          "(convert it first)")
@@ -335,13 +278,4 @@ def set_recompute(model, mode_or_list, every=None):
     return modes
 
 
-def analytic_saved_elements(mode, mlp_ratio=4.0):
-    """Elements kept per token and hidden unit (excluding lse and LayerNorm statistics)."""
-    check_mode(mode)
-    if mode == "full":
-        return 1.0
-    kept = 6 + mlp_ratio  # x, q, k, v, o, x1 + fc1 output
-    return kept + (2 + mlp_ratio if mode == "none" else 0)
-
-
-__all__ = ["SelectiveAttention", "SelectiveMLP", "SelectiveDecoderLayer", "set_recompute", "RECOMPUTE_MODES"]
+__all__ = ["SelectiveDecoderLayer", "set_recompute", "RECOMPUTE_MODES"]

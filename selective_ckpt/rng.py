@@ -1,4 +1,4 @@
-"""Seeds and the dropout-mask contract of docs/DESIGN.md.
+"""Seeds and the dropout-mask contract of docs/kernels/dropout.md.
 
 Masks are a pure function of (seed, indices): Philox4x32-10 keyed by the seed, one call per group
 of 8 columns, 16-bit values compared against t16 = round(p * 65536). The Philox words come from
@@ -78,7 +78,7 @@ def draw_seed(device=None, generator=None) -> int:
 
 # Seeds cross the custom ops as tensors: int32 [2] holding the seed's low and high 32-bit words
 # (as int32 bit patterns). Drawing one is then an ordinary tensor op that torch.compile traces
-# without a graph break, and autograd keeps the 8 bytes of docs/DESIGN.md's "dropout state".
+# without a graph break, and autograd keeps the 8 bytes of docs/DESIGN.md's "dropout" row.
 
 def draw_seed_tensor(device=None, generator=None) -> torch.Tensor:
     """A fresh seed as a seed tensor: the same draw as draw_seed (same generator use and value)."""

@@ -5,6 +5,8 @@ Each check raises TypeError or ValueError naming the argument and what is expect
 
 import torch
 
+from .activations import ACTIVATIONS, GATED_LAYER_ACTIVATIONS, LAYER_ACTIVATIONS
+
 # dtypes the public functions and layers accept; the kernels also take float64 (tests, references).
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KERNEL_DTYPES = SUPPORTED_DTYPES + (torch.float64,)
@@ -121,9 +123,8 @@ def ffn_dim(hidden_dim, mlp_ratio):
 _ffn_from_ratio = ffn_dim  # check_layer_shape's ffn_dim argument shadows the function's name
 
 NORMS = ("layernorm", "rmsnorm")
-# activation -> the MLP it builds: GELU-MLP `approximate` or gated-MLP activation.
-PLAIN_ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
-GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_tanh"}
+# The gated layer activations and their kernel activation (what memory.estimate tells apart).
+GATED_ACTIVATIONS = {name: ACTIVATIONS[name] for name in GATED_LAYER_ACTIVATIONS}
 
 
 def check_layer_shape(hidden_dim, num_heads, mlp_ratio=4.0, *, num_kv_heads=None, ffn_dim=None, norm="layernorm",
@@ -143,12 +144,8 @@ def check_layer_shape(hidden_dim, num_heads, mlp_ratio=4.0, *, num_kv_heads=None
     ffn = check_positive_int(ffn_dim, "ffn_dim") if ffn_dim is not None else _ffn_from_ratio(hidden_dim, mlp_ratio)
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
-    if activation not in PLAIN_ACTIVATIONS and activation not in GATED_ACTIVATIONS:
-        names = ", ".join(map(repr, (*PLAIN_ACTIVATIONS, *GATED_ACTIVATIONS)))
-        raise ValueError(f"activation must be one of {names}, got {activation!r}")
-    if (norm == "rmsnorm") != (activation in GATED_ACTIVATIONS):
-        raise ValueError(f"norm={norm!r} with activation={activation!r} is not built: 'layernorm' goes with 'gelu' "
-                         "or 'gelu_tanh' (GPT-style), 'rmsnorm' with 'swiglu' or 'geglu' (Llama-style)")
+    if activation not in LAYER_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, LAYER_ACTIVATIONS))}, got {activation!r}")
     if rope_theta is not None:
         check_positive_float(rope_theta, "rope_theta")
         if head_dim % 2:

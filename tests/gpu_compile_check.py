@@ -292,7 +292,7 @@ def exercise_llama_blocks():
             w = torch.ones(4096, dtype=dtype, requires_grad=True)
             with label(case=f"rms_norm offset={offset}"):
                 selective_ckpt.rms_norm(x, w, offset=offset).sum().backward()
-        for activation in ("silu", "gelu_tanh"):
+        for activation in ("silu", "gelu_tanh", "gelu"):
             x = torch.randn(6, 24, dtype=dtype, requires_grad=True)
             wg, wu = (torch.randn(40, 24, dtype=dtype, requires_grad=True) for _ in range(2))
             wd = torch.randn(24, 40, dtype=dtype, requires_grad=True)

@@ -22,7 +22,7 @@ def assert_within_rule(ours, eager, ref64, factor, floor=1e-5, name="output"):
 
 def attention_allowed(B, Sq, Sk, causal=False, window=0, pad=None, cu=None):
     """Bool [B, 1, Sq, Sk]: which keys each query may attend under the attention semantics of
-    docs/DESIGN.md (causal, sliding window, documents from cu_seqlens, key padding [B, Sk])."""
+    docs/kernels/attention.md (causal, sliding window, documents from cu_seqlens, key padding [B, Sk])."""
     i = torch.arange(Sq)[:, None]
     j = torch.arange(Sk)[None, :]
     ok = torch.ones(Sq, Sk, dtype=torch.bool)

@@ -41,8 +41,8 @@ def test_triton_kernels_are_installed_under_the_package_only(tmp_path):
 
 
 def test_public_api():
-    for name in ("SelectiveDecoderLayer", "SelectiveAttention", "SelectiveMLP", "attention", "gelu_mlp", "dropout",
-                 "convert", "memory", "rng", "set_recompute"):
+    for name in ("SelectiveDecoderLayer", "attention", "gelu_mlp", "dropout", "convert", "memory", "rng",
+                 "set_recompute", "recomputable_layers"):
         assert hasattr(selective_ckpt, name), name
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import selective_ckpt as sc
 from selective_ckpt import fused
-from selective_ckpt.layers import SelectiveDecoderLayer, SelectiveMLP
+from selective_ckpt.layers import SelectiveDecoderLayer
 from selective_ckpt.ops.gelu import gelu_backward_op, gelu_op
 
 DOUBLE_BACKWARD = "does not support double backward"
@@ -41,19 +41,16 @@ def test_gelu_mlp_double_backward_is_refused_not_wrong():
         torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
 
 
-def test_selective_mlp_double_backward_is_refused():
-    mlp = SelectiveMLP(8, 2.0)
-    x = _leaf(2, 3, 8)
-    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
-        _penalty(lambda x, *_: mlp(x), (x, mlp.fc1.weight, mlp.fc2.weight))
+def test_gelu_mlp_weight_only_double_backward_is_refused():
+    x, w1, w2 = _leaf(2, 3, 8), _leaf(16, 8), _leaf(8, 16)
     # the penalty on a weight only (x not requiring grad) is refused as well
-    y = mlp(x.detach())
-    (g,) = torch.autograd.grad(y.sum(), mlp.fc1.weight, create_graph=True)
+    y = sc.gelu_mlp(x.detach(), w1, None, w2, None)
+    (g,) = torch.autograd.grad(y.sum(), w1, create_graph=True)
     with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
-        torch.autograd.grad(g.pow(2).sum(), mlp.fc2.weight)
+        torch.autograd.grad(g.pow(2).sum(), w2)
 
 
-@pytest.mark.parametrize("op", ["layer_norm", "attention", "ln_linear", "ln_mlp", "layer"])
+@pytest.mark.parametrize("op", ["layer_norm", "attention", "norm_linear", "norm_mlp", "layer"])
 def test_double_backward_refused_naming_the_op(op, backend):
     torch.manual_seed(0)
     lw, lb = _leaf(8), _leaf(8)
@@ -61,8 +58,10 @@ def test_double_backward_refused_naming_the_op(op, backend):
     cases = {
         "layer_norm": ("selective_ckpt.layer_norm", lambda x: sc.layer_norm(x, lw, lb), _leaf(3, 8)),
         "attention": ("selective_ckpt.attention", lambda q: sc.attention(q, q, q, causal=True), _leaf(1, 2, 5, 4)),
-        "ln_linear": ("selective_ckpt.fused.ln_linear", lambda x: fused.ln_linear(x, lw, lb, w1, None), _leaf(3, 8)),
-        "ln_mlp": ("selective_ckpt.fused.ln_mlp", lambda x: fused.ln_mlp(x, lw, lb, w1, None, w2, None), _leaf(3, 8)),
+        "norm_linear": ("selective_ckpt.fused.norm_linear", lambda x: fused.norm_linear(x, lw, lb, [(w1, None)]),
+                        _leaf(3, 8)),
+        "norm_mlp": ("selective_ckpt.fused.norm_mlp", lambda x: fused.norm_mlp(x, lw, lb, (w1, None, w2, None)),
+                     _leaf(3, 8)),
         "layer": (DOUBLE_BACKWARD, SelectiveDecoderLayer(8, 2), _leaf(2, 3, 8)),
     }
     name, fn, x = cases[op]
@@ -140,7 +139,7 @@ def _compiles_once(fn, make_inputs, lengths=(5, 9)):
 def test_compile_dynamic_layer_two_lengths_one_graph():
     torch.manual_seed(0)
     layer = torch.nn.Sequential(SelectiveDecoderLayer(16, 2, dropout=0.1, attn_dropout=0.1),
-                                SelectiveMLP(16, dropout=0.1))
+                                SelectiveDecoderLayer(16, 2, dropout=0.1, norm="rmsnorm", activation="swiglu"))
     outs, graphs = _compiles_once(layer, lambda s: (torch.randn(2, s, 16, requires_grad=True),))
     assert graphs == 1
     assert [tuple(o.shape) for _, o in outs] == [(2, 5, 16), (2, 9, 16)]
@@ -219,9 +218,8 @@ def test_layer_meta_input_names_the_device():
         SelectiveDecoderLayer(8, 2)(torch.randn(1, 2, 8, device="meta"))
 
 
-@pytest.mark.parametrize("module", ["layer", "attention"])
-def test_layer_dtype_mismatch_names_both_dtypes_and_autocast(module):
-    m = SelectiveDecoderLayer(8, 2) if module == "layer" else sc.layers.SelectiveAttention(8, 2)
+def test_layer_dtype_mismatch_names_both_dtypes_and_autocast():
+    m = SelectiveDecoderLayer(8, 2)
     with pytest.raises(TypeError, match="x has dtype torch.float16 .* are torch.float32.*autocast"):
         m(torch.randn(1, 2, 8, dtype=torch.float16))
 

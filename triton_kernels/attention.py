@@ -3,8 +3,8 @@
 This file holds the entry points and the tile table; the kernels are in attention_forward.py
 (forward, delta pre-pass), attention_backward.py (dK/dV, dQ) and attention_common.py (helpers).
 
-Entry points and semantics: the attention kernel contract shared with the C++ backend (docs/DESIGN.md,
-"Attention semantics"; forward/backward argument lists as selective_ckpt/ops/attention.py calls them).
+Entry points and semantics: the attention kernel contract shared with the C++ backend
+(docs/kernels/attention.md; forward/backward argument lists as selective_ckpt/ops/attention.py calls them).
 
 Forward: online softmax over key blocks in base 2 (scale * log2(e) folded into the logits), dropout
 on P after the row statistics, o normalised at the end, natural-log logsumexp stored (+inf for an

@@ -1,4 +1,4 @@
-"""The one Triton implementation of Philox4x32-10 and of the dropout-mask contract (docs/DESIGN.md).
+"""The one Triton implementation of Philox4x32-10 and of the dropout-mask contract (docs/kernels/dropout.md).
 
 Every GPU kernel that drops out calls `attention_keep_words`, `attention_keep_bits_t` or
 `elementwise_keep`; nothing else in triton_kernels computes Philox. The high word of each 32x32

@@ -2,7 +2,7 @@
 
 Forward writes the output and the per-row rstd (float32, float64 for float64 inputs); `apply`
 rebuilds the output from saved (x, rstd) through the same `_apply_row`, so a stored and a rebuilt
-output agree bit for bit. Rounding order (docs/DESIGN.md, "RMSNorm"): offset 0 (Llama) rounds
+output agree bit for bit. Rounding order (docs/kernels/rms_norm.md): offset 0 (Llama) rounds
 x * rstd to the input dtype and then multiplies by w; otherwise (Gemma) x * rstd * (offset + w) is
 rounded once. Backward writes dx and per-program partial sums of dw that the host adds up in order.
 """

@@ -25,7 +25,7 @@ def _act(x, ACT: tl.constexpr):
     if ACT == 0:
         return x * _sigmoid(x)
     else:
-        return gelu_value(x, True)
+        return gelu_value(x, ACT == 1)
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _act_grad(x, ACT: tl.constexpr):
         s = _sigmoid(x)
         return s * (x * (1.0 - s) + 1.0)
     else:
-        return gelu_grad(x, True)
+        return gelu_grad(x, ACT == 1)
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def _block(n):
 
 
 def forward(gate, up, a, n, act):
-    """a = act(gate) * up over n contiguous elements; act 0 = SiLU, 1 = tanh-GELU."""
+    """a = act(gate) * up over n contiguous elements; act 0 = SiLU, 1 = tanh-GELU, 2 = erf GELU."""
     block = _block(n)
     _product_kernel[(triton.cdiv(n, block),)](gate, up, a, n, ACT=act, BLOCK=block)
     return a

@@ -10,7 +10,6 @@ reports them.
 
 import contextlib
 import dataclasses
-import importlib
 from collections import OrderedDict
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import recompute
+from ..registry import state_of
 from .units import columns, format_bytes
 
 
@@ -79,19 +79,14 @@ class LedgerReport:
         return f"LedgerReport(total={self.total}, entries={len(self.entries)}, by_layer={dict(self.by_layer)})"
 
 
-LAYER_STATE = "_selective_ckpt"  # the attribute of a converted decoder layer (models.common.STATE)
 _ACTIVE = []  # the ledgers recording now (innermost last); note_saved reports to the innermost
 
 
 def _default_layer_types():
-    types = []
-    for mod, name in (("layers", "SelectiveDecoderLayer"), ("models.eager", "EagerDecoderLayer")):
-        try:
-            module = importlib.import_module(f"selective_ckpt.{mod}")
-            types.append(getattr(module, name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(types)
+    # The decoder-layer classes registered with selective_ckpt.registry (they register when defined).
+    from ..registry import layer_types
+
+    return layer_types()
 
 
 def storage_key(t):
@@ -180,7 +175,7 @@ class _Recorder:
                 break
 
     def is_layer(self, module):
-        return isinstance(module, self.layer_types) or hasattr(module, LAYER_STATE)
+        return isinstance(module, self.layer_types) or state_of(module) is not None
 
     def where(self):
         module = self.name(self.stack[-1]) if self.stack else "-"

@@ -7,6 +7,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from ..registry import recomputable_layers, state_of
 from ..validation import RECOMPUTE_MODES as MODES
 from ..validation import check_mode, check_positive_int
 from .estimate import check_shape, estimate, recompute_flops
@@ -57,38 +58,16 @@ class Plan(list):
                 f"peak_bytes={self.peak_bytes}, budget_bytes={self.budget_bytes}, max_batch={self.max_batch})")
 
 
-def _layer_shape(layer):
-    """LayerShape of a SelectiveDecoderLayer from its attributes and submodules (ln1, fc1, parameters)."""
-    hidden = layer.ln1.normalized_shape[0]
-    heads = getattr(layer, "num_heads", None)
-    if heads is None:
-        heads = getattr(getattr(layer, "attn", None), "num_heads", None)
-    if heads is None:
-        raise ValueError(f"cannot read num_heads from {type(layer).__name__}")
-    ffn = getattr(layer, "ffn_dim", None)
-    if ffn is None:
-        ffn = layer.fc1.out_features if hasattr(layer, "fc1") else layer.mlp.fc1.out_features
-    dtype = next(layer.parameters()).dtype
-    return LayerShape(hidden, int(heads), ffn / hidden, dtype, bool(getattr(layer, "causal", True)),
-                      num_kv_heads=getattr(layer, "num_kv_heads", None), ffn_dim=ffn,
-                      norm=getattr(layer, "norm", "layernorm"), activation=getattr(layer, "activation", "gelu"),
-                      sliding_window=getattr(layer, "sliding_window", None))
-
-
 def _layers_of(model_or_shape, num_layers):
     if isinstance(model_or_shape, nn.Module):
-        from ..layers import SelectiveDecoderLayer
-
-        # In module order, as set_recompute walks them: our layers and converted Hugging Face decoder
-        # layers (their LayerRecompute, `_selective_ckpt`, reads the shape from the model's config).
-        layers = [m for m in model_or_shape.modules()
-                  if isinstance(m, SelectiveDecoderLayer) or hasattr(m, "_selective_ckpt")]
+        # In module order, as set_recompute walks them (registry.recomputable_layers): our layers and
+        # converted Hugging Face decoder layers, each giving its own shape.
+        layers = recomputable_layers(model_or_shape)
         if not layers:
             raise ValueError("model_or_shape holds no SelectiveDecoderLayer or converted decoder layer")
         if num_layers is not None and num_layers != len(layers):
             raise ValueError(f"num_layers={num_layers} but the model holds {len(layers)} decoder layers")
-        return [_layer_shape(m) if isinstance(m, SelectiveDecoderLayer) else LayerShape(**m._selective_ckpt.shape())
-                for m in layers]
+        return [LayerShape(**state_of(m).shape()) for m in layers]
     if isinstance(model_or_shape, LayerShape):
         shape = model_or_shape
     elif isinstance(model_or_shape, dict):

@@ -1,26 +1,44 @@
-"""Model integrations: one module per family, one registry consulted by convert().
+"""Model integrations: a model spec per model family, one driver, consulted by convert().
 
-Hugging Face families (gpt2, llama, mistral, qwen2, qwen3) are chosen by `config.model_type` and
-converted in place by patching (models/hf.py): every module, name and parameter stays. The eager
+A Hugging Face model family is a module models/<family>.py defining `SPEC` (a hf.ModelSpec); every
+such module is found here, so a new family is that one file. Hugging Face models (gpt2, llama,
+mistral, qwen2, qwen3) are chosen by `config.model_type` and converted in place by patching
+(hf.plan and hf.apply): every module, name and parameter stays. The eager
 benchmark layer (models/eager.py) is swapped for a SelectiveDecoderLayer. Every block is checked
 before anything is changed, so a failed convert leaves the model as it was.
 """
+
+import functools
+import importlib
+import pkgutil
 
 from torch import nn
 
 from ..layers import SelectiveDecoderLayer
 from ..validation import check_mode
-from . import eager, gpt2, hf, llama, mistral, qwen2, qwen3
+from . import eager, hf
 from .common import ConversionError
 from .peft import plan_adapters
 
-HF_FAMILIES = {t: family for family in (gpt2, llama, mistral, qwen2, qwen3) for t in family.MODEL_TYPES}
+__all__ = ["ConversionError", "convert", "model_specs"]
 
-__all__ = ["ConversionError", "HF_FAMILIES", "convert"]
+
+@functools.cache
+def model_specs():
+    """{model_type: ModelSpec} from every module of this package that defines SPEC."""
+    specs = {}
+    for info in pkgutil.iter_modules(__path__):
+        spec = getattr(importlib.import_module(f"{__name__}.{info.name}"), "SPEC", None)
+        if isinstance(spec, hf.ModelSpec):
+            for t in spec.model_types:
+                if t in specs:
+                    raise ValueError(f"model type {t!r} has two model specs ({info.name} and another)")
+                specs[t] = spec
+    return specs
 
 
 def _supported():
-    return f"Hugging Face model types {', '.join(sorted(HF_FAMILIES))} and EagerDecoderLayer-shaped modules"
+    return f"Hugging Face model types {', '.join(sorted(model_specs()))} and EagerDecoderLayer-shaped modules"
 
 
 def convert(model, recompute="selective"):
@@ -39,13 +57,13 @@ def convert(model, recompute="selective"):
     root = hf.hf_root(model)
     if root is not None:
         model_type = getattr(root.config, "model_type", None)
-        family = HF_FAMILIES.get(model_type)
-        if family is None:
+        spec = model_specs().get(model_type)
+        if spec is None:
             raise ConversionError(f"{type(root).__name__}: model type {model_type!r} is not supported; supported: "
                                   f"{_supported()}")
-        layers, patches = family.plan(root, model_type)
+        layers, patches = hf.plan(root, spec, model_type)
         patches = patches + plan_adapters(model)
-        hf.apply(root, layers, patches, recompute, family.layer_shape)
+        hf.apply(root, layers, patches, recompute, spec)
         return model
     return _convert_eager(model, recompute)
 

@@ -7,6 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .. import recompute
+from ..registry import STATE
 from ..validation import check_mode
 from .patches import PATCHED, patch_forward
 
@@ -27,10 +28,9 @@ def copy_param(dst, src, transpose=False):
     dst.requires_grad_(src.requires_grad)
 
 
-STATE = "_selective_ckpt"  # attribute of a converted decoder layer holding its LayerRecompute
 
 
-class LayerRecompute:
+class ConvertedLayerState:
     """The recompute mode of a converted Hugging Face decoder layer (what set_recompute sets).
 
     "selective": norm and activation outputs are dropped and rebuilt (recompute.scope around the
@@ -136,5 +136,5 @@ def convert_decoder_layer(layer, mode, shape_of=None, name=None):
     """Wraps the layer's forward in a recompute scope chosen by its mode; modules and parameters stay."""
     if not hasattr(type(layer), "gradient_checkpointing"):
         raise ConversionError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer")
-    setattr(layer, STATE, LayerRecompute(layer, mode, shape_of, name))
+    setattr(layer, STATE, ConvertedLayerState(layer, mode, shape_of, name))
     patch_forward(layer, _decoder_layer_forward)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..memory.estimate import LoRA, estimate
-from .common import STATE
+from ..registry import state_of
 
 _QUANTIZED = ("Linear4bit", "Linear8bitLt")
 
@@ -65,7 +65,7 @@ def training_dtypes(layer, autocast_dtype=None):
 def layer_estimate(layer, seq_len, batch, autocast_dtype=None, breakdown=False):
     """memory.estimate for a converted Hugging Face decoder layer in its training configuration:
     its shape, recompute mode, dtypes under `autocast_dtype` (None: no autocast) and LoRA adapters."""
-    state = getattr(layer, STATE, None)
+    state = state_of(layer)
     if state is None:
         raise TypeError(f"layer must be a converted decoder layer (selective_ckpt.convert), got {type(layer).__name__}")
     shape = state.shape()

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from ..layers import SelectiveDecoderLayer
+from ..registry import register_layer_type
 from .common import ConversionError, copy_param, factory
 
-USES_KV_CACHE = False
 
-
+@register_layer_type
 class EagerDecoderLayer(nn.Module):
     def __init__(self, hidden_dim, num_heads, mlp_ratio=4.0, dropout=0.0, attn_dropout=0.0, causal=True,
                  norm_eps=1e-5, device=None, dtype=None):

@@ -1,18 +1,79 @@
-"""Converting a Hugging Face model in place: checks first, then patches (nothing is swapped).
+"""Model specs and the one driver that converts a Hugging Face model in place from its spec.
 
-A family module (models/<family>.py) gives `MODEL_TYPES` and `plan(root, model_type)`, which
-checks every block and returns (decoder layers, [(module, new forward), ...]) or raises
-ConversionError. `apply` then registers the attention function, points the config at it, patches
-the forwards and wraps each decoder layer in its recompute scope. A failed check changes nothing.
+A model spec (`ModelSpec`, one per model family in models/<family>.py as `SPEC`) says what a
+decoder layer is: its class, its children and the role of each (norm, attention, MLP), the norm
+kind and offset, the MLP layout and its activation child, the residual form,
+whether attention holds q/k norms, and the shape reader the memory planner uses. `plan(root,
+spec)` checks every block against the spec and returns (decoder layers, [(module, new forward),
+...]) or raises ConversionError; `apply` then registers the attention function, points the config
+at it, patches the forwards and wraps each decoder layer in its recompute scope. A failed check
+changes nothing.
 """
 
+import dataclasses
 import functools
 
+from torch import nn
+
+from ..activations import elementwise_problem, kernel_activation
+from ..registry import recomputable_layers
 from . import attention
 from .common import ConversionError, convert_decoder_layer
-from .patches import patch_forward, rms_norm_forward, swiglu_mlp_forward
+from .patches import (
+    dropout_forward,
+    gelu_mlp_forward_factory,
+    layer_norm_forward,
+    patch_forward,
+    rms_norm_forward,
+    swiglu_mlp_forward,
+)
 
-SWIGLU_ACTIVATIONS = ("silu", "swish")
+ROLES = ("norm", "attention", "mlp")
+NORMS = ("rmsnorm", "layernorm")
+MLP_LAYOUTS = ("gate_up", "fc")  # separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc)
+GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.swiglu_mlp_forward reads
+# Residual forms the driver converts. Patching leaves the layer's own forward in place, so any form
+# would compute right; the memory estimate (memory/estimate.py) counts pre-norm layers (two norms).
+RESIDUALS = ("pre-norm",)
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+    kind: str  # "rmsnorm" (y = x * rstd * (offset + w)) or "layernorm" (affine, with or without bias)
+    cls: object  # the norm's class name, or the class itself (matched exactly: nn.LayerNorm, not subclasses)
+    offset: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPSpec:
+    cls: str  # class name
+    layout: str  # one of MLP_LAYOUTS
+    children: tuple  # gate_up: GATE_UP_CHILDREN; fc: (fc_in, activation, fc_out[, dropout])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    model_types: tuple  # config.model_type values
+    layer: str  # decoder layer class name
+    children: tuple  # ((child name, role), ...): exactly the layer's children, roles from ROLES
+    norm: NormSpec
+    attention: str  # attention class name
+    attention_children: tuple
+    mlp: MLPSpec
+    shape: object  # shape reader (layer, config, spec) -> LayerShape fields (memory.planner)
+    residual: str = "pre-norm"
+    qk_norm: bool = False  # attention holds q_norm and k_norm (of the spec's norm class), per head
+    dropout: bool = False  # every nn.Dropout of the model keeps a seed instead of a mask
+    check: object = None  # extra checks (root, name) raising ConversionError, or None
+
+    def __post_init__(self):
+        bad = sorted({role for _, role in self.children} - set(ROLES))
+        if self.mlp.layout == "gate_up" and tuple(self.mlp.children) != GATE_UP_CHILDREN:
+            raise ValueError(f"model spec {self.model_types}: a gate_up MLP has the children {GATE_UP_CHILDREN}")
+        if bad or self.norm.kind not in NORMS or self.mlp.layout not in MLP_LAYOUTS or self.residual not in RESIDUALS:
+            raise ValueError(f"model spec {self.model_types}: roles {bad or 'ok'}, norm {self.norm.kind!r}, MLP layout "
+                             f"{self.mlp.layout!r}, residual {self.residual!r}; the driver knows roles {ROLES}, "
+                             f"norms {NORMS}, MLP layouts {MLP_LAYOUTS} and residual forms {RESIDUALS}")
 
 
 def hf_root(model):
@@ -24,8 +85,16 @@ def hf_root(model):
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
 
 
-def modules_named(root, class_name):
-    return [(n, m) for n, m in root.named_modules() if type(m).__name__ == class_name]
+def _is(module, cls):
+    return type(module) is cls if isinstance(cls, type) else type(module).__name__ == cls
+
+
+def _cls_name(cls):
+    return cls.__name__ if isinstance(cls, type) else cls
+
+
+def modules_of(root, cls):
+    return [(n, m) for n, m in root.named_modules() if _is(m, cls)]
 
 
 def check_children(module, name, allowed, model_type):
@@ -35,61 +104,136 @@ def check_children(module, name, allowed, model_type):
                               f"{extra}; a converted block may hold only {sorted(allowed)}")
 
 
-def plan_swiglu(root, model_type, prefix, attention_children=("q_proj", "k_proj", "v_proj", "o_proj")):
-    """Plan for a Llama-shaped family: <prefix>DecoderLayer, <prefix>RMSNorm, <prefix>MLP, <prefix>Attention."""
-    config = root.config
-    act = getattr(config, "hidden_act", None)
-    if act not in SWIGLU_ACTIVATIONS:
-        raise ConversionError(f"{type(root).__name__} (model type {model_type!r}): hidden_act {act!r} is not "
-                              f"supported (only {', '.join(SWIGLU_ACTIVATIONS)})")
-    layers = modules_named(root, f"{prefix}DecoderLayer")
+def _check_norm(norm, name, spec):
+    if spec.norm.kind == "layernorm" and not norm.elementwise_affine:
+        raise ConversionError(f"{name}: {type(norm).__name__} is not an affine LayerNorm")
+
+
+def _mlp_activation(mlp, spec):
+    return getattr(mlp, spec.mlp.children[3] if spec.mlp.layout == "gate_up" else spec.mlp.children[1])
+
+
+def _check_activation(mlp, name, model_type, spec):
+    act = _mlp_activation(mlp, spec)
+    if kernel_activation(act) is None:
+        problem = elementwise_problem(act)
+        if problem is not None:
+            raise ConversionError(f"{name} (model type {model_type!r}): its activation cannot be applied and rebuilt "
+                                  f"faithfully: {problem}")
+
+
+def plan(root, spec, model_type):
+    """(decoder layers, [(module, forward), ...]) converting `root` by `spec`, or ConversionError."""
+    name = f"{type(root).__name__} (model type {model_type!r})"
+    if spec.check is not None:
+        spec.check(root, name)
+    layers = modules_of(root, spec.layer)
     if not layers:
-        raise ConversionError(f"{type(root).__name__} (model type {model_type!r}) holds no {prefix}DecoderLayer")
-    norm, mlp, attn = f"{prefix}RMSNorm", f"{prefix}MLP", f"{prefix}Attention"
-    for name, layer in layers:
-        check_children(layer, name, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"), model_type)
-        expected = {"self_attn": attn, "mlp": mlp, "input_layernorm": norm, "post_attention_layernorm": norm}
-        for child, cls in expected.items():
-            if type(getattr(layer, child)).__name__ != cls:
-                raise ConversionError(f"{name}.{child} (model type {model_type!r}) is a "
-                                      f"{type(getattr(layer, child)).__name__}, not {cls}; it cannot be converted")
-        check_children(layer.self_attn, f"{name}.self_attn", attention_children, model_type)
-        check_children(layer.mlp, f"{name}.mlp", ("gate_proj", "up_proj", "down_proj", "act_fn"), model_type)
-    patches = [(m, rms_norm_forward) for _, m in modules_named(root, norm)]
-    patches += [(m, swiglu_mlp_forward) for _, m in modules_named(root, mlp)]
+        raise ConversionError(f"{name} holds no {spec.layer}")
+    expected = {"norm": spec.norm.cls, "attention": spec.attention, "mlp": spec.mlp.cls}
+    attention_children = spec.attention_children + (("q_norm", "k_norm") if spec.qk_norm else ())
+    for lname, layer in layers:
+        check_children(layer, lname, [c for c, _ in spec.children], model_type)
+        for child, role in spec.children:
+            module = getattr(layer, child)
+            if not _is(module, expected[role]):
+                raise ConversionError(f"{lname}.{child} (model type {model_type!r}) is a {type(module).__name__}, not "
+                                      f"{_cls_name(expected[role])}; it cannot be converted")
+            if role == "norm":
+                _check_norm(module, f"{lname}.{child}", spec)
+            elif role == "attention":
+                check_children(module, f"{lname}.{child}", attention_children, model_type)
+            else:
+                check_children(module, f"{lname}.{child}", spec.mlp.children, model_type)
+                _check_activation(module, f"{lname}.{child}", model_type, spec)
+    patches = [(m, _norm_forward(spec.norm)) for _, m in modules_of(root, spec.norm.cls)]
+    if spec.dropout:
+        dropouts = [m for m in root.modules() if type(m) is nn.Dropout]
+        if any(d.inplace for d in dropouts):
+            raise ConversionError(f"{name}: in-place nn.Dropout cannot be converted")
+        patches += [(m, dropout_forward) for m in dropouts]
+    patches += [(m, _mlp_forward(spec.mlp)) for _, m in modules_of(root, spec.mlp.cls)]
     return [m for _, m in layers], patches
 
 
-def swiglu_layer_shape(layer, config):
-    """LayerShape fields (memory.planner) of a Llama-shaped decoder layer, from the model's config."""
-    attn = layer.self_attn
-    heads = config.num_attention_heads
-    head_dim = getattr(attn, "head_dim", config.hidden_size // heads)
-    if head_dim * heads != config.hidden_size:
-        raise ValueError(f"{type(layer).__name__}: head_dim {head_dim} x {heads} heads != hidden_size "
-                         f"{config.hidden_size}; memory estimates cover layers with head_dim = hidden / heads only")
+def _norm_forward(norm):
+    if norm.kind == "layernorm":
+        return layer_norm_forward
+    return rms_norm_forward if norm.offset == 0 else functools.partial(rms_norm_forward, offset=float(norm.offset))
+
+
+def _mlp_forward(mlp):
+    if mlp.layout == "gate_up":
+        return swiglu_mlp_forward
+    fc_in, act, fc_out, *dropout = mlp.children
+    return gelu_mlp_forward_factory(fc_in, act, fc_out, dropout[0] if dropout else None)
+
+
+def layer_activation(layer, spec):
+    """The LayerShape activation of a converted layer's MLP: what memory.estimate counts for it.
+
+    A gated MLP keeps gate and up whatever its activation ("swiglu" for SiLU, "geglu" for any
+    other); a plain one keeps its fc_in output ("gelu_tanh" for tanh-GELU, "gelu" for any other).
+    """
+    kernel = kernel_activation(_mlp_activation(getattr(layer, _child_of_role(spec, "mlp")), spec))
+    if spec.mlp.layout == "gate_up":
+        return "swiglu" if kernel == "silu" else "geglu"
+    return "gelu_tanh" if kernel == "gelu_tanh" else "gelu"
+
+
+def _child_of_role(spec, role):
+    return next(c for c, r in spec.children if r == role)
+
+
+def config_shape(layer, config, spec):
+    """LayerShape fields of a decoder layer from the model's config: hidden_size, num_attention_heads,
+    num_key_value_heads, intermediate_size (or GPT-2's n_inner, 4 h by default), the attention's
+    head_dim and sliding_window."""
+    attn = getattr(layer, _child_of_role(spec, "attention"))
+    h, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(attn, "head_dim", h // heads)
+    if head_dim * heads != h:
+        raise ValueError(f"{type(layer).__name__}: head_dim {head_dim} x {heads} heads != hidden_size {h}; memory "
+                         "estimates cover layers with head_dim = hidden / heads only")
+    ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     kv = getattr(config, "num_key_value_heads", None) or heads
-    return dict(hidden_dim=config.hidden_size, num_heads=heads, num_kv_heads=kv, ffn_dim=config.intermediate_size,
-                mlp_ratio=config.intermediate_size / config.hidden_size, norm="rmsnorm", activation="swiglu",
-                sliding_window=getattr(attn, "sliding_window", None) or None)
+    return dict(hidden_dim=h, num_heads=heads, num_kv_heads=kv, ffn_dim=ffn, mlp_ratio=ffn / h, norm=spec.norm.kind,
+                activation=layer_activation(layer, spec), sliding_window=getattr(attn, "sliding_window", None) or None)
 
 
-def apply(root, layers, patches, mode, layer_shape):
+def llama_shaped(model_type, prefix, **overrides):
+    """The spec of a Llama-shaped family: <prefix>DecoderLayer of input_layernorm -> self_attn (q/k/v/o_proj),
+    post_attention_layernorm -> mlp (gate_proj, up_proj, down_proj, act_fn), <prefix>RMSNorm with offset 0,
+    activation from config.hidden_act. `overrides` replace any field (e.g. qk_norm=True)."""
+    fields = dict(model_types=(model_type,), layer=f"{prefix}DecoderLayer",
+                  children=(("input_layernorm", "norm"), ("self_attn", "attention"),
+                            ("post_attention_layernorm", "norm"), ("mlp", "mlp")),
+                  norm=NormSpec("rmsnorm", f"{prefix}RMSNorm"), attention=f"{prefix}Attention",
+                  attention_children=("q_proj", "k_proj", "v_proj", "o_proj"),
+                  mlp=MLPSpec(f"{prefix}MLP", "gate_up", GATE_UP_CHILDREN),
+                  shape=config_shape)
+    fields.update(overrides)
+    return ModelSpec(**fields)
+
+
+def apply(root, layers, patches, mode, spec):
     """Registers attention, patches the forwards and gives each decoder layer its recompute mode and
-    `layer_shape(layer, config)` (its LayerShape fields for the memory planner)."""
+    its shape reader (its LayerShape fields for the memory planner)."""
     attention.register()
     root.config._attn_implementation = attention.NAME
     for module, forward in patches:
         patch_forward(module, forward)
     names = {id(m): n for n, m in root.named_modules()}
     for layer in layers:
-        convert_decoder_layer(layer, mode, functools.partial(layer_shape, config=root.config), names.get(id(layer)))
+        convert_decoder_layer(layer, mode, functools.partial(spec.shape, config=root.config, spec=spec),
+                              names.get(id(layer)))
 
 
 def converted_layers(model):
-    """The converted Hugging Face decoder layers of `model`, in module order."""
-    from .common import STATE
-    return [m for m in model.modules() if hasattr(m, STATE)]
+    """The recomputable layers of `model` (registry.recomputable_layers), which convert() gives every
+    converted Hugging Face decoder layer."""
+    return recomputable_layers(model)
 
 
-__all__ = ["ConversionError", "apply", "converted_layers", "hf_root", "plan_swiglu", "swiglu_layer_shape"]
+__all__ = ["ConversionError", "MLPSpec", "ModelSpec", "NormSpec", "apply", "config_shape",
+           "converted_layers", "hf_root", "llama_shaped", "plan"]

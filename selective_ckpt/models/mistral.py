@@ -1,10 +1,5 @@
-"""Hugging Face Mistral: as Llama (RMSNorm, SwiGLU, grouped k/v), plus config.sliding_window."""
+"""Hugging Face Mistral: as Llama (RMSNorm, gated MLP, grouped k/v), plus config.sliding_window."""
 
-from .hf import plan_swiglu
-from .hf import swiglu_layer_shape as layer_shape  # noqa: F401 (the family's shape reader)
+from .hf import llama_shaped
 
-MODEL_TYPES = ("mistral",)
-
-
-def plan(root, model_type):
-    return plan_swiglu(root, model_type, "Mistral")
+SPEC = llama_shaped("mistral", "Mistral")

@@ -11,6 +11,8 @@ import types
 import torch
 
 from .. import recompute, rng
+from ..activations import GELU_APPROXIMATE, has_own_hooks, kernel_activation
+from ..double_backward import first_order_only
 from ..ops.dropout import dropout_op
 from ..ops.gelu import gelu_backward_op, gelu_op
 from ..ops.layer_norm import layer_norm_apply, layer_norm_fwd
@@ -37,13 +39,17 @@ def layer_norm_forward(self, x):
 
 
 # --- RMSNorm (Llama, Mistral, Qwen2, Qwen3 incl. q/k norms): the fused kernel in Hugging Face's rounding
-# order, weight * (x32 * rstd).to(x.dtype); keeps x and the fp32 rstd, the output is rebuilt from them.
+# order for the offset (ops/rms_norm.py); keeps x and the fp32 rstd, the output is rebuilt from them.
 
-def rms_norm_forward(self, x):
+def rms_norm_forward(self, x, offset=0.0):
+    """y = x * rstd * (offset + weight); a model spec's norm offset arrives through functools.partial."""
     eps = float(self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps)
     if self.weight.dtype == x.dtype:
-        y, rstd = rms_norm_fwd(x, self.weight, eps, 0.0)
-        return recompute.discardable(y, rms_norm_apply, x, self.weight, rstd, 0.0)
+        y, rstd = rms_norm_fwd(x, self.weight, eps, offset)
+        return recompute.discardable(y, rms_norm_apply, x, self.weight, rstd, offset)
+    if offset:
+        # a (1 + w) norm with a weight of another dtype: computed as transformers does
+        return getattr(self, PATCHED)(x)
     # A weight of another dtype (fp32 norms after peft's prepare_model_for_kbit_training, or kept in
     # fp32 by the user): transformers rounds the normalised row to x's dtype and multiplies by the
     # weight in the promoted dtype. The kernel gives the rounded row (times 1, exact); the product
@@ -59,7 +65,7 @@ def _weighted_rms_norm(x, ones, rstd, weight):
     return weight * rms_norm_apply(x, ones, rstd, 0.0)
 
 
-# --- Activations: GELU (GPT-2) through the kernels, keeping its input.
+# --- Activations: the module's own activation, through the kernels when it is one of theirs.
 
 class _GELU(torch.autograd.Function):
     @staticmethod
@@ -81,13 +87,68 @@ def gelu(h, approximate):
     return recompute.discardable(a, gelu_op, h.contiguous(), approximate)
 
 
-# --- SwiGLU (Llama family): silu(gate) * up by the fused kernel, keeping gate and up.
+class _ModuleActivation(torch.autograd.Function):
+    """act(h) (times up) by an activation module's own forward, keeping h (and up) only: backward runs
+    the forward again under autograd. An activation that saves its output (ReLU) would keep it otherwise."""
+
+    @staticmethod
+    def forward(ctx, module, h, up, *params):
+        ctx.module = module
+        ctx.save_for_backward(h, up)
+        a = module.forward(h)
+        return a if up is None else a * up
+
+    @staticmethod
+    @first_order_only("selective_ckpt.models.patches.activate")
+    def backward(ctx, grad):
+        h, up = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        params = [p for p, need in zip(ctx.module.parameters(), needs[3:]) if need]
+        with torch.enable_grad():
+            h_ = h.detach().requires_grad_(needs[1])
+            a = ctx.module.forward(h_)
+        inputs = ([h_] if needs[1] else []) + params
+        dup = grad * a.detach() if up is not None and needs[2] else None
+        da = grad if up is None else grad * up
+        grads = list(torch.autograd.grad(a, inputs, da, allow_unused=True)) if inputs else []
+        dh = grads.pop(0) if needs[1] else None
+        dparams = iter(grads)
+        return (None, dh, dup, *(next(dparams) if need else None for need in needs[3:]))
+
+
+def _module_product(module, h, up):
+    with torch.no_grad():
+        a = module.forward(h)
+        return a if up is None else a * up
+
+
+def activate(act_fn, h, up=None):
+    """act_fn(h), or act_fn(h) * up for a gated MLP, as the next Linear's input, registered to be rebuilt.
+
+    A kernel activation module (activations.kernel_activation) runs the fused kernels, which keep h
+    (and up). Any other elementwise activation module runs its own forward in an autograd node that
+    keeps h (and up) and is rebuilt from them; with hooks of its own it is called as a module (its
+    hooks run) and its output is kept (a hook may have changed it), only the product is rebuilt.
+    """
+    kernel = kernel_activation(act_fn)
+    if kernel is not None and (up is not None or kernel in GELU_APPROXIMATE):  # no plain-SiLU kernel
+        if up is None:
+            return gelu(h, GELU_APPROXIMATE[kernel])
+        p = gated_product(h, up, kernel)
+        return recompute.discardable(p, gated_product_op, h, up, kernel)
+    if has_own_hooks(act_fn):
+        a = act_fn(h)
+        return a if up is None else recompute.discardable(a * up, torch.mul, a, up)
+    out = _ModuleActivation.apply(act_fn, h, up, *act_fn.parameters())
+    return recompute.discardable(out, _module_product, act_fn, h, up)
+
+
+# --- The gated MLP (Llama-shaped models): act(gate) * up, keeping gate and up.
 
 def swiglu_mlp_forward(self, x):
-    """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(silu(gate(x)) * up(x)), projections as modules."""
+    """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(act_fn(gate(x)) * up(x)), projections as modules."""
     gate, up = self.gate_proj(x), self.up_proj(x)
-    h = gated_product(gate, up, "silu")
-    return self.down_proj(recompute.discardable(h, gated_product_op, gate, up, "silu"))
+    return self.down_proj(activate(self.act_fn, gate, up))
 
 
 # --- Dropout by seed: 8 bytes kept instead of a mask.
@@ -105,8 +166,11 @@ def dropout_forward(self, x):
     return recompute.discardable(dropout_op(x, p, seed), dropout_op, recompute.source(x), p, seed)
 
 
-def gelu_mlp_forward_factory(approximate):
+def gelu_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="dropout"):
+    """The forward of a plain MLP dropout(fc_out(act(fc_in(x)))) with these child names (GPT2MLP's by
+    default; dropout None for none), its activation applied by `activate`."""
     def forward(self, hidden_states):
-        h = self.c_fc(hidden_states)
-        return self.dropout(self.c_proj(gelu(h, approximate)))
+        h = getattr(self, fc_in)(hidden_states)
+        out = getattr(self, fc_out)(activate(getattr(self, act), h))
+        return out if dropout is None else getattr(self, dropout)(out)
     return forward

@@ -1,8 +1,8 @@
 """Fused attention-softmax-dropout that keeps only q, k, v, o, the row logsumexp and a seed.
 
 Neither forward nor backward stores anything of size Sq x Sk: backward rebuilds the softmax from
-the logsumexp and the dropout mask from the seed (docs/DESIGN.md, "Attention semantics" and "The
-dropout contract"). The forward op returns o, a [B, H, Sq, D] view of a contiguous [B, Sq, H, D]
+the logsumexp and the dropout mask from the seed (docs/kernels/attention.md and
+docs/kernels/dropout.md). The forward op returns o, a [B, H, Sq, D] view of a contiguous [B, Sq, H, D]
 buffer, and the row logsumexp (fp32 [B, H, Sq], +inf where a row attends nothing). k and v may have
 fewer heads than q (grouped-query attention); they are never expanded.
 """

@@ -1,7 +1,7 @@
 """Elementwise dropout by the contract's elementwise stream: saves only its seed.
 
 The mask of x viewed as [rows, cols] (cols = the last dim) is a function of (seed, row, col), so
-backward regenerates it instead of keeping it (docs/DESIGN.md, "The dropout contract").
+backward regenerates it instead of keeping it (docs/kernels/dropout.md).
 """
 
 import torch

@@ -4,7 +4,7 @@
 `rms_norm_apply` rebuilds y from (x, rstd) bit-identically, which is what lets the fused
 norm -> Linear and norm -> gated MLP pieces (selective_ckpt/fused.py) drop the output after forward.
 
-Rounding order follows the two Hugging Face forms (docs/DESIGN.md, "RMSNorm"): offset 0 (Llama,
+Rounding order follows the two Hugging Face forms (docs/kernels/rms_norm.md): offset 0 (Llama,
 Mistral, Qwen) is `w * (x * rstd).to(dtype)`; offset 1 (Gemma) is `(x * rstd * (1 + w)).to(dtype)`.
 """
 

@@ -1,7 +1,8 @@
 """The gated MLP with selective recomputation: y = dropout(down(act(gate(x)) * up(x))).
 
-act is SiLU (SwiGLU: Llama, Mistral, Qwen) or tanh-GELU (GeGLU: Gemma). gate and up are two
-matmuls with nn.Linear weights, not one packed [2 * ffn, h] matmul (docs/DESIGN.md, "Gated MLP"):
+act is a kernel activation (selective_ckpt/activations.py): SiLU (SwiGLU: Llama, Mistral, Qwen),
+tanh-GELU (GeGLU: Gemma) or exact erf GELU (a Llama-shaped model with hidden_act="gelu"). gate and up are two
+matmuls with nn.Linear weights, not one packed [2 * ffn, h] matmul (docs/kernels/mlp.md, "Gated MLP"):
 the model's own gate_proj / up_proj modules and state-dict keys stay as they are, and no packed
 weight is concatenated (and its gradient split) every step. Biases go inside the matmuls (addmm).
 
@@ -23,12 +24,12 @@ from .dropout import dropout_op
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_product", "swiglu_mlp", "check_gated_mlp_args"]
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # kernel activation -> the kernels' code
 
 
 def activation_code(activation) -> int:
-    """0 for "silu" (SwiGLU), 1 for "gelu_tanh" (GeGLU); anything else is refused."""
-    return check_choice(activation, "activation", ACTIVATIONS)
+    """0 for "silu" (SwiGLU), 1 for "gelu_tanh" (GeGLU), 2 for "gelu" (exact GeGLU); anything else is refused."""
+    return check_choice(activation, "activation", ACTIVATION_CODES)
 
 
 def _check_pair(gate, up):
@@ -96,7 +97,7 @@ class _GatedProduct(torch.autograd.Function):
 def gated_product(gate, up, activation="silu"):
     """act(gate) * up with one fused kernel each way; autograd keeps gate and up only.
 
-    gate, up: tensors of one shape, dtype and device; activation "silu" or "gelu_tanh".
+    gate, up: tensors of one shape, dtype and device; activation "silu", "gelu_tanh" or "gelu".
     """
     check_floating(gate, "gate")
     check_floating(up, "up")
@@ -210,9 +211,9 @@ def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, dro
     """y = dropout(down(act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up))), rebuilding the product in backward.
 
     x [..., in]; w_gate, w_up [ffn, in], w_down [out, ffn] (nn.Linear layout); biases optional.
-    activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU). Dropout (p = dropout_p) uses the contract's
-    elementwise mask over y viewed as [rows, out]; `seed=None` draws one from torch's generator for
-    x's device. Autograd keeps x, the gate and up outputs and the seed; store_product=True (for
+    activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU, tanh or exact). Dropout (p = dropout_p)
+    uses the contract's elementwise mask over y viewed as [rows, out]; `seed=None` draws one from
+    torch's generator for x's device. Autograd keeps x, the gate and up outputs and the seed; store_product=True (for
     comparisons) also keeps the product act(gate) * up; results are bit-identical either way.
     """
     check_gated_mlp_args(x, w_gate, w_up, w_down, b_gate, b_up, b_down)

@@ -51,6 +51,34 @@ def test_rms_norm_with_weight_in_another_dtype_computes_as_transformers():
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_offset_of_a_spec_computes_as_gemma_norm(dtype):
+    """A NormSpec offset of 1 patches the norm as y = x * rstd * (1 + w): Gemma's RMSNorm, against float64."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    from selective_ckpt.models import hf
+    from selective_ckpt.models.patches import patch_forward
+    from tests.reference import assert_within_rule
+
+    torch.manual_seed(0)
+    norm = GemmaRMSNorm(24)
+    torch.nn.init.normal_(norm.weight)
+    ref = copy.deepcopy(norm).double()
+    norm = norm.to(dtype)
+    plain = copy.deepcopy(norm)
+    patch_forward(norm, hf._norm_forward(hf.NormSpec("rmsnorm", "GemmaRMSNorm", 1.0)))
+    x = torch.randn(3, 5, 24, dtype=torch.float64)
+    dy = torch.randn(3, 5, 24, dtype=torch.float64).to(dtype)
+    outs = []
+    for module, cast in ((norm, dtype), (plain, dtype), (ref, torch.float64)):
+        xi = x.to(dtype).to(cast).requires_grad_(True)
+        y = module(xi)
+        y.backward(dy.to(cast))
+        outs.append((y.detach(), xi.grad, module.weight.grad))
+    for i, name in enumerate(("y", "dx", "dw")):
+        assert_within_rule(outs[0][i], outs[1][i], outs[2][i], 2 if i == 0 else 3, name=name)
+
+
 def test_lora_both_orders():
     hf_checks.check_lora_both_orders(build())
 
@@ -79,9 +107,10 @@ def test_modes_bit_identical_and_gradient_checkpointing_is_full():
 
 
 def test_refusals_change_nothing():
-    model = LlamaForCausalLM(config(hidden_act="gelu"))
+    model = LlamaForCausalLM(config())
+    model.model.layers[0].mlp.act_fn = torch.nn.GLU()
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ConversionError, match="model type 'llama'.*hidden_act 'gelu'"):
+    with pytest.raises(ConversionError, match="model type 'llama'.*GLU is not a deterministic elementwise"):
         convert(model)
     assert model.config._attn_implementation != "selective_ckpt"
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

@@ -19,6 +19,7 @@ from torch import nn
 from selective_ckpt import convert, memory, rng, set_recompute
 from selective_ckpt.memory.peak import cpu_allocation_deltas
 from selective_ckpt.models.configuration import layer_estimate
+from selective_ckpt.registry import recomputable_layers
 from tests.reference import assert_within_rule
 
 VOCAB, H, S, B = 96, 64, 24, 2
@@ -99,7 +100,7 @@ def _held(model, ids, config):
 
 
 def _decoder_layers(model):
-    return [m for m in model.modules() if hasattr(m, "_selective_ckpt")]
+    return recomputable_layers(model)
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -86,7 +86,7 @@ def test_saves_input_and_statistics_only():
 
 @pytest.mark.parametrize("store", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ln_linear_matches_reference(backend, dtype, store):
+def test_norm_linear_matches_reference(backend, dtype, store):
     x, lw, lb, _ = _inputs((2, 5, 24), dtype, True, seed=7)
     g = torch.Generator().manual_seed(8)
     w = (torch.randn(40, 24, generator=g) / 5).to(dtype)
@@ -99,7 +99,7 @@ def test_ln_linear_matches_reference(backend, dtype, store):
         out.backward(dy.to(out.dtype))
         return [out.detach()] + [t.grad for t in leaves]
 
-    ours = run(lambda *a: fused.ln_linear(*a, eps=1e-5, store=store), x, lw, lb, w, b)
+    ours = run(lambda x, lw, lb, w, b: fused.norm_linear(x, lw, lb, [(w, b)], eps=1e-5, store=store), x, lw, lb, w, b)
     eager_fn = lambda x, lw, lb, w, b: F.linear(F.layer_norm(x, (24,), lw, lb, 1e-5), w, b)
     eager = run(eager_fn, x, lw, lb, w, b)
     ref = run(eager_fn, *(t.double() for t in (x, lw, lb, w, b)))
@@ -107,14 +107,14 @@ def test_ln_linear_matches_reference(backend, dtype, store):
         assert_within_rule(ours[i], eager[i], ref[i], 2 if i == 0 else 3, name=name)
 
 
-def test_ln_linear_store_and_recompute_bit_identical(backend):
+def test_norm_linear_store_and_recompute_bit_identical(backend):
     x, lw, lb, _ = _inputs((3, 19), torch.bfloat16, True, seed=11)
     w = torch.randn(10, 19).bfloat16()
     dy = torch.randn(3, 10).bfloat16()
     grads = []
     for store in (False, True):
         leaves = [t.clone().requires_grad_(True) for t in (x, lw, lb, w)]
-        out = fused.ln_linear(*leaves, None, store=store)
+        out = fused.norm_linear(*leaves[:3], [(leaves[3], None)], store=store)
         out.backward(dy)
         grads.append([out] + [t.grad for t in leaves])
     for a, c in zip(*grads):
@@ -170,4 +170,4 @@ def test_ops_refuse_mismatched_operands_instead_of_reading_past_them():
     with pytest.raises(ValueError, match="dy must match x"):
         ln_ops.layer_norm_bwd(torch.ones(3, 7), x, mean, rstd, torch.ones(8))
     with pytest.raises(ValueError, match="weight must be \\[8\\]"):
-        fused.ln_linear(x[None], torch.ones(5), None, torch.randn(4, 8), None)
+        fused.norm_linear(x[None], torch.ones(5), None, [(torch.randn(4, 8), None)])

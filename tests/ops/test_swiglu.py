@@ -12,7 +12,7 @@ from selective_ckpt.ops.swiglu import gated_product, gated_product_backward_op, 
 from tests.reference import assert_within_rule
 
 NAMES = ("x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-ACT = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+ACT = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "gelu": F.gelu}
 
 
 def make_inputs(lead, d_in, ffn, d_out, dtype, bias=True, seed=0):
@@ -90,7 +90,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[3]}{'' if c[4] else '-nobias'}")
 def test_cpp_matches_float64_reference(case, activation, dtype, use_backend):
     use_backend("cpp")
@@ -107,14 +107,14 @@ def test_cpp_large_inner_sizes(case, use_backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
 def test_triton_matches_float64_reference(activation, dtype, use_backend):
     use_backend("triton")
     check((2, 3), 17, 33, 5, dtype, activation, 0.17, bias=False)
     check((3,), 9, 17, 7, dtype, activation, 0.0, sum_grad=True)
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
 def test_store_and_recompute_are_bit_identical(backend, activation):
     _, low = make_inputs((3, 5), 17, 23, 11, torch.bfloat16)
     dy = torch.randn(3, 5, 11).to(torch.bfloat16)
@@ -137,7 +137,7 @@ def test_keeps_x_gate_up_and_seed_only():
     assert acts == sorted([(2,), (4, 6, 8), (4, 6, 20), (4, 6, 20)])  # seed, x, gate, up
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
 def test_product_kernels_match_eager_and_tails(backend, activation):
     g = torch.cat([torch.tensor([-1e4, -200.0, -100.0, -88.8, -88.0, -50.0, 50.0, 100.0, 1e4]),
                    torch.linspace(-12, 12, 191)]).to(torch.float64)
@@ -165,7 +165,7 @@ def test_product_kernels_match_eager_and_tails(backend, activation):
 def test_gated_product_building_block_keeps_gate_and_up(backend):
     g64 = torch.randn(4, 37, dtype=torch.float64)
     u64 = torch.randn(4, 37, dtype=torch.float64)
-    for activation in ("silu", "gelu_tanh"):
+    for activation in ("silu", "gelu_tanh", "gelu"):
         gate, up = (t.to(torch.bfloat16).requires_grad_(True) for t in (g64, u64))
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t, kept=saved: kept.append(t) or t,
@@ -184,7 +184,7 @@ def test_gated_product_building_block_keeps_gate_and_up(backend):
         assert_within_rule(up.grad, ue.grad, ur.grad, 3, name="dup")
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
 def test_opcheck(backend, activation):
     g, u = torch.randn(3, 17), torch.randn(3, 17)
     torch.library.opcheck(gated_product_op, (g, u, activation))
