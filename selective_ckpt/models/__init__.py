@@ -10,7 +10,7 @@ from torch import nn
 
 from ..layers import SelectiveDecoderLayer
 from ..validation import check_mode
-from . import eager, gpt2, hf, llama, mistral, qwen2, qwen3
+from . import checkpointing, eager, gpt2, hf, llama, mistral, qwen2, qwen3
 from .common import ConversionError
 
 HF_FAMILIES = {t: family for family in (gpt2, llama, mistral, qwen2, qwen3) for t in family.MODEL_TYPES}
@@ -31,6 +31,7 @@ def convert(model, recompute="selective"):
     (`recompute`; see set_recompute). EagerDecoderLayer-shaped modules are replaced by
     SelectiveDecoderLayers (the returned model is the new layer when `model` itself is one).
     Raises ConversionError naming the module, the model type and what is supported, before any change.
+    Layers under transformers' gradient checkpointing before convert stay "full" (models/checkpointing.py).
     """
     check_mode(recompute)
     if not isinstance(model, nn.Module):
@@ -43,7 +44,9 @@ def convert(model, recompute="selective"):
             raise ConversionError(f"{type(root).__name__}: model type {model_type!r} is not supported; supported: "
                                   f"{_supported()}")
         layers, patches = family.plan(root, model_type)
+        checkpointed = checkpointing.checkpointed(layers)  # what the user enabled stays enabled: "full"
         hf.apply(root, layers, patches, recompute, family.layer_shape)
+        checkpointing.keep_checkpointed(checkpointed)
         return model
     return _convert_eager(model, recompute)
 
