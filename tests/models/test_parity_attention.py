@@ -5,6 +5,7 @@ weights are asked for, SDPA otherwise) and against a float64 reference, with the
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -131,7 +132,6 @@ def test_weights_only_for_the_call_that_asks(family, monkeypatch):
     calls = KernelCalls(monkeypatch)
     with pytest.warns(UserWarning, match="asks for the attention weights"):
         ours(input_ids=ids, attention_mask=mask, output_attentions=True)
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ours(input_ids=ids, attention_mask=mask, output_attentions=True)  # once only
