@@ -125,3 +125,21 @@ def test_foreign_closure_forwards_are_refused_by_name():
     patch_forward(layer, local_forward)
     with pytest.raises(pickle.PicklingError, match="local_forward cannot be pickled"):
         pickle.dumps(layer)
+
+
+def test_converted_lora_model_round_trips():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = BUILDS["llama"](2).train()
+    model = convert(get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                    init_lora_weights=False)))
+    back = saved_and_loaded(model)
+    assert type(back).__name__ == "PeftModel"
+    _assert_patches_bound_to(back)
+    ids, mask = batch()
+    want, got = _step(model, ids, mask), _step(back, ids, mask)
+    assert torch.equal(got[0], want[0])
+    assert set(got[1]) == set(want[1]) and all("lora_" in n for n in got[1])
+    for n in want[1]:
+        assert torch.equal(got[1][n], want[1][n]), n
