@@ -8,9 +8,9 @@ reproduces the mask exactly, never taking anything else for padding.
 
 Three kinds of call run transformers' own attention instead, for that call only:
 - a call that asks for the attention weights (`output_attentions=True`, passed down or recorded by
-  transformers' output-capturing hooks): the model family's eager attention, with the eager mask,
-  so the weights (and their gradients) are exactly transformers' eager ones; warned once, as such
-  calls keep what eager attention keeps;
+  transformers' output-capturing hooks): the model family's eager attention with the eager mask,
+  so weights and their gradients are computed exactly as transformers' eager attention computes
+  them; warned once, as such calls keep what eager attention keeps;
 - a mask that is neither causal + key padding nor causal packed documents (a tree mask, an
   additive bias, one that differs between heads): transformers' SDPA attention with that mask;
   warned once;
