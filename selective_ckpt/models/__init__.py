@@ -16,7 +16,7 @@ from torch import nn
 
 from ..layers import SelectiveDecoderLayer
 from ..validation import check_mode
-from . import eager, hf
+from . import checkpointing, eager, hf
 from .common import ConversionError
 from .peft import plan_adapters
 
@@ -50,6 +50,7 @@ def convert(model, recompute="selective"):
     (`recompute`; see set_recompute). EagerDecoderLayer-shaped modules are replaced by
     SelectiveDecoderLayers (the returned model is the new layer when `model` itself is one).
     Raises ConversionError naming the module, the model type and what is supported, before any change.
+    Layers under transformers' gradient checkpointing before convert stay "full" (models/checkpointing.py).
     """
     check_mode(recompute)
     if not isinstance(model, nn.Module):
@@ -63,7 +64,9 @@ def convert(model, recompute="selective"):
                                   f"{_supported()}")
         layers, patches = hf.plan(root, spec, model_type)
         patches = patches + plan_adapters(model)
+        checkpointed = checkpointing.checkpointed(layers)  # what the user enabled stays enabled: "full"
         hf.apply(root, layers, patches, recompute, spec)
+        checkpointing.keep_checkpointed(checkpointed)
         return model
     return _convert_eager(model, recompute)
 

@@ -4,12 +4,22 @@ Converted models run attention through `selective_ckpt.attention`: causal, key p
 k/v (never expanded), Mistral/Qwen sliding windows, attention dropout by seed and packed documents.
 The mask Hugging Face builds for it is its SDPA mask (a [B, 1, S, S] bool mask, or None for plain
 causal); `describe_mask` turns it into key padding or document offsets and checks that this
-reproduces the mask exactly — anything else is a ConversionError, never taken for padding.
+reproduces the mask exactly, never taking anything else for padding.
 
-Without gradients and with a kv cache (generate: Sq != Sk) the call goes to transformers' own SDPA
-function with the same mask; a training call that cannot be expressed is refused.
+Three kinds of call run transformers' own attention instead, for that call only:
+- a call that asks for the attention weights (`output_attentions=True`, passed down or recorded by
+  transformers' output-capturing hooks): the model family's eager attention with the eager mask,
+  so weights and their gradients are computed exactly as transformers' eager attention computes
+  them; warned once, as such calls keep what eager attention keeps;
+- a mask that is neither causal + key padding nor causal packed documents (a tree mask, an
+  additive bias, one that differs between heads): transformers' SDPA attention with that mask;
+  warned once;
+- a kv cache without gradients (generate: Sq != Sk): transformers' SDPA attention with the same
+  mask. With gradients a kv cache is refused.
 """
 
+import sys
+import warnings
 import weakref
 
 import torch
@@ -24,10 +34,35 @@ NAME = "selective_ckpt"
 def register():
     """Registers the attention function and its mask builder with transformers (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, selective_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, build_mask)
+
+
+_MASK_DTYPE = [None]  # dtype of the model's latest mask: the eager mask's fill value is that dtype's min
+
+
+def build_mask(*args, **kwargs):
+    """transformers' SDPA mask (None for plain causal, else [B, 1, Sq, Sk] bool); notes the model's dtype."""
+    from transformers.masking_utils import sdpa_mask
+
+    if not torch.compiler.is_compiling():
+        _MASK_DTYPE[0] = kwargs.get("dtype")
+    return sdpa_mask(*args, **kwargs)
+
+
+class Inexpressible(ConversionError):
+    """A valid mask that selective_ckpt.attention cannot express; the call runs transformers' SDPA."""
+
+
+_WARNED = set()
+
+
+def _warn_once(kind, message):
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _allowed(mask, name):
@@ -37,23 +72,26 @@ def _allowed(mask, name):
         raise ConversionError(f"{name}: attention_mask must be bool or additive float, got {mask.dtype}")
     allowed = mask == 0
     if not bool((allowed | (mask < torch.finfo(mask.dtype).min / 2)).all()):
-        raise ConversionError(f"{name}: attention_mask carries an additive bias (values other than 0 and -inf/min), "
-                              "which selective_ckpt.attention cannot express")
+        raise Inexpressible(f"{name}: attention_mask carries an additive bias (values other than 0 and -inf/min), "
+                            "which selective_ckpt.attention cannot express")
     return allowed
 
 
-def describe_mask(mask, batch, seq, window, name):
+def describe_mask(mask, batch, seq, window, name, heads=1):
     """(key_padding_mask [B, S] bool or None, cu_seqlens int32 or None) reproducing a causal 4-D mask.
 
     Rows with nothing to attend (padded queries) may hold anything: their outputs feed nothing real.
+    A mask of the wrong shape or type is a ConversionError; a valid one that is neither causal + key
+    padding nor causal packed documents raises Inexpressible (a ConversionError).
     """
-    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or tuple(mask.shape[-2:]) != (seq, seq):
+    if (mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads)
+            or tuple(mask.shape[-2:]) != (seq, seq)):
         raise ConversionError(f"{name}: attention_mask of shape {list(mask.shape)} is not [B, 1, S, S] for B={batch}, "
                               f"S={seq}")
     allowed = _allowed(mask, name).expand(batch, -1, -1, -1)
     if not bool((allowed == allowed[:, :1]).all()):
-        raise ConversionError(f"{name}: attention_mask differs between heads; only causal + key padding or packed "
-                              "documents are supported")
+        raise Inexpressible(f"{name}: attention_mask differs between heads; only causal + key padding or packed "
+                            "documents are supported")
     allowed = allowed[:, 0]
     pad = allowed.diagonal(dim1=-2, dim2=-1)  # every unpadded query attends itself
     idx = torch.arange(seq, device=mask.device)
@@ -66,12 +104,12 @@ def describe_mask(mask, batch, seq, window, name):
         expected &= idx[None, :, None] - idx[None, None, :] < window
     live = expected.any(-1, keepdim=True)
     if not bool(((allowed == expected) | ~live).all()):
-        raise ConversionError(f"{name}: attention_mask is neither causal + key padding nor causal packed documents"
-                              f"{f' with sliding window {window}' if window else ''}; selective_ckpt cannot express it")
+        raise Inexpressible(f"{name}: attention_mask is neither causal + key padding nor causal packed documents"
+                            f"{f' with sliding window {window}' if window else ''}; selective_ckpt cannot express it")
     has_docs, has_pad = bool(starts.any()), not bool(pad.all())
     if has_docs and (batch != 1 or has_pad):
-        raise ConversionError(f"{name}: packed documents need one row (B = 1) without padding, got B={batch}"
-                              f"{' with padding' if has_pad else ''}")
+        raise Inexpressible(f"{name}: packed documents need one row (B = 1) without padding, got B={batch}"
+                            f"{' with padding' if has_pad else ''}")
     cu = None
     if has_docs:
         cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=mask.device),
@@ -82,16 +120,28 @@ def describe_mask(mask, batch, seq, window, name):
 _LAST = [None]  # (weakref to mask, version, B, S, window, result): a model hands every layer one mask
 
 
-def _cached_describe(mask, batch, seq, window, name):
+def _cached_describe(mask, batch, seq, window, name, heads):
+    """describe_mask, once per mask for all layers; an Inexpressible mask stays so for every layer."""
     if mask.is_inference() or torch.compiler.is_compiling():
-        return describe_mask(mask, batch, seq, window, name)
+        return describe_mask(mask, batch, seq, window, name, heads)
     last = _LAST[0]
-    key = (mask._version, batch, seq, window)
-    if last is not None and last[0]() is mask and last[1] == key:
-        return last[2]
-    result = describe_mask(mask, batch, seq, window, name)
-    _LAST[0] = (weakref.ref(mask), key, result)
-    return result
+    key = (mask._version, batch, seq, window, heads)
+    if last is None or last[0]() is not mask or last[1] != key:
+        try:
+            result = describe_mask(mask, batch, seq, window, name, heads)
+        except Inexpressible as e:
+            result = _Refused(str(e))  # the message only: a traceback would keep this forward's tensors
+        last = _LAST[0] = (weakref.ref(mask), key, result)
+    if isinstance(last[2], _Refused):
+        raise Inexpressible(last[2].message)
+    return last[2]
+
+
+class _Refused:
+    __slots__ = ("message",)
+
+    def __init__(self, message):
+        self.message = message
 
 
 def _cu_seqlens(kwargs, name):
@@ -113,31 +163,99 @@ def _compute_dtype(query):
     return query.dtype
 
 
+def weights_requested(module, kwargs):
+    """Whether this call must hand back attention weights.
+
+    Llama-family models pass `output_attentions` down to the attention function; GPT-2 removes it,
+    and transformers collects weights through output-capturing hooks whose collector (active during
+    the model's forward) names "attentions" when they are asked for, by argument or by config. Outside
+    any model forward, the module's config decides, as the attention module returns weights then.
+    """
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output-capturing hooks passes the flag down
+        _active_collector = None
+    collected = _active_collector.get() if _active_collector is not None else None
+    if collected is not None:
+        return "attentions" in collected
+    return bool(getattr(getattr(module, "config", None), "output_attentions", False))
+
+
+def eager_mask(attention_mask, query, key, window):
+    """The additive mask transformers' eager attention gets for this call (None: nothing masked).
+
+    A bool mask becomes 0 / the model dtype's min, as transformers' eager mask builder makes it; None
+    (plain causal, the SDPA builder's shortcut) becomes the causal mask, aligned bottom-right when a
+    cache holds earlier keys; a float mask is already additive.
+    """
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        return attention_mask
+    dtype = _MASK_DTYPE[0] or query.dtype
+    Sq, Sk = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        if Sq == 1:
+            return None
+        i = torch.arange(Sq, device=query.device)[:, None] + (Sk - Sq)
+        j = torch.arange(Sk, device=query.device)[None, :]
+        allowed = j <= i
+        if window:
+            allowed &= i - j < window
+        attention_mask = allowed[None, None]
+    zero = torch.zeros((), device=attention_mask.device, dtype=dtype)
+    return torch.where(attention_mask, zero, torch.finfo(dtype).min)
+
+
+def _eager_attention(module, name, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """The model family's own eager attention (GPT-2: also its upcast-and-reorder variant when configured)."""
+    _warn_once("weights", f"{name}: a call asks for the attention weights; it runs transformers' eager attention, "
+                          "which keeps the full attention probabilities (this call only; other calls keep the floor)")
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ConversionError(f"{name}: attention weights were asked for, but {type(module).__module__} defines no "
+                              "eager_attention_forward to compute them with")
+    mask = eager_mask(attention_mask, query, key, kwargs.get("sliding_window"))
+    if getattr(module, "reorder_and_upcast_attn", False) and hasattr(module, "_upcast_and_reordered_attn"):
+        return module._upcast_and_reordered_attn(query, key, value, mask)
+    kwargs.pop("output_attentions", None)
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
 def selective_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                         **kwargs):
-    """transformers attention function: (o [B, S, H, D], None). query [B, H, Sq, D], key/value [B, Hkv, Sk, D]."""
+    """transformers attention function: (o [B, S, H, D], weights or None). query [B, H, Sq, D], key/value [B, Hkv,
+    Sk, D]. Weights come back only from a call that asks for them (computed by transformers' eager attention)."""
     name = f"{type(module).__name__} (selective_ckpt attention)"
-    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
-        raise ConversionError(f"{name}: output_attentions=True is not supported: attention weights are never "
-                              "materialised")
     for unsupported in ("softcap", "position_bias", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
             raise ConversionError(f"{name}: {unsupported} is not supported by selective_ckpt.attention")
+    if weights_requested(module, kwargs):
+        return _eager_attention(module, name, query, key, value, attention_mask, dropout, scaling, **kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    B, _, Sq, _ = query.shape
+    B, H, Sq, _ = query.shape
     Sk = key.shape[2]
     if Sq != Sk:
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
             raise ConversionError(f"{name}: a kv cache (Sq={Sq} != Sk={Sk}) is supported without gradients only")
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if not causal:
         raise ConversionError(f"{name}: only causal self-attention is supported")
     window = kwargs.get("sliding_window") or None
     pad = cu = None
     if attention_mask is not None:
-        pad, cu = _cached_describe(attention_mask, B, Sq, window, name)
+        try:
+            pad, cu = _cached_describe(attention_mask, B, Sq, window, name, H)
+        except Inexpressible as e:
+            _warn_once("mask", f"{e}: such calls run transformers' SDPA attention with the mask as given, keeping "
+                               "what SDPA keeps (warned once)")
+            return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     cu_kw = _cu_seqlens(kwargs, name)
     if cu_kw is not None:
         if cu is not None and not torch.equal(cu, cu_kw):

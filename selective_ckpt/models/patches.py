@@ -6,8 +6,6 @@ input(s)) and hands its output to `recompute.discardable`, so whatever consumes 
 Linear, a LoRA layer, a quantized Linear) keeps a placeholder instead, rebuilt once in backward.
 """
 
-import types
-
 import torch
 
 from .. import recompute, rng
@@ -23,10 +21,13 @@ PATCHED = "_selective_ckpt_forward"  # attribute marking a patched module (holds
 
 
 def patch_forward(module, forward):
-    """Replaces module.forward by `forward` bound to module; the original is kept under PATCHED."""
+    """Replaces module.forward by `forward` bound to module (a BoundForward, which pickles); the original is
+    kept under PATCHED."""
+    from .pickling import BoundForward
+
     if getattr(module, PATCHED, None) is None:
         setattr(module, PATCHED, module.forward)
-    module.forward = types.MethodType(forward, module)
+    module.forward = BoundForward(forward, module)
 
 
 # --- LayerNorm (GPT-2): the fused kernel keeps x, mean, rstd; the output is rebuilt from them.

@@ -122,24 +122,6 @@ def test_refusals_change_nothing():
         convert(torch.nn.Linear(3, 3))
 
 
-def test_output_attentions_is_an_error():
-    ours = convert(LlamaForCausalLM(config()))
-    with pytest.raises(ConversionError, match="output_attentions"):
-        ours(input_ids=batch()[0], output_attentions=True)
-
-
-def test_bad_masks_are_refused():
-    ours = convert(LlamaForCausalLM(config()))
-    ids, _ = batch(b=1, s=9)
-    bias = torch.zeros(1, 1, 9, 9)
-    bias[..., 3] = -5.0
-    with pytest.raises(ConversionError, match="additive bias"):
-        ours(input_ids=ids, attention_mask=bias)
-    full = torch.ones(1, 1, 9, 9, dtype=torch.bool)  # bidirectional: not causal
-    with pytest.raises(ConversionError, match="neither causal"):
-        ours(input_ids=ids, attention_mask=full)
-
-
 @pytest.mark.parametrize("dropout", [0.0, 0.17])
 def test_layer_keeps_the_floor(dropout):
     """Train mode, use_cache left on: one converted layer keeps x, q, k, v (Hkv heads), o, x1, gate, up, fp32 rstd

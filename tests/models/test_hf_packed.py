@@ -1,4 +1,4 @@
-"""Packed documents through transformers' flash-attention kwargs, and 4-D masks that cannot be expressed."""
+"""Packed documents through transformers' flash-attention kwargs (other 4-D masks: test_parity_attention.py)."""
 
 import pytest
 import torch
@@ -78,27 +78,3 @@ def test_flash_kwargs_disagreeing_with_the_documents_are_refused():
     inputs["cu_seq_lens_k"] = batch["cu_seq_lens_k"]
     with pytest.raises(ConversionError, match="both be given and equal"):
         model()(**inputs, use_cache=False)
-
-
-def _causal(s):
-    return torch.ones(s, s, dtype=torch.bool).tril()
-
-
-@pytest.mark.parametrize("kind", ["hole", "prefix_lm", "doc_sees_previous", "per_head"])
-def test_masks_neither_causal_padding_nor_packed_are_refused(kind):
-    """A 4-D mask that is not causal + key padding nor block-diagonal causal is a ConversionError, never a guess."""
-    s = 9
-    mask = _causal(s)
-    if kind == "hole":  # one query cannot see one earlier key of its own document
-        mask[6, 2] = False
-    elif kind == "prefix_lm":  # the first 4 positions see each other both ways
-        mask[:4, :4] = True
-    elif kind == "doc_sees_previous":  # documents [0, 4) and [4, 9), but the second's last query sees the first
-        mask[4:, :4] = False
-        mask[8, :4] = True
-    mask = mask[None, None].expand(1, 4, s, s).clone() if kind == "per_head" else mask[None, None]
-    if kind == "per_head":
-        mask[0, 1, 5, 0] = False
-    ids = torch.randint(1, VOCAB, (1, s), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ConversionError, match="neither causal|differs between heads"):
-        model()(input_ids=ids, attention_mask=mask, use_cache=False)
