@@ -21,7 +21,7 @@ from ._extension import load as _load_extension
 
 _C = _load_extension()
 
-FAMILIES = ("dropout", "layer_norm", "gelu", "attention", "rms_norm", "swiglu")
+FAMILIES = ("dropout", "layer_norm", "gelu", "attention", "rms_norm", "swiglu", "cross_entropy")
 
 BACKEND_ENV = "SELECTIVE_CKPT_BACKEND"
 _CHOICES = ("auto", "cpp", "triton")
