@@ -87,7 +87,8 @@ RowOut float_row(float* c, int64_t n, int64_t y, double eps, float cap, float g,
   }
   const double lse = double(m) + std::log(se);
   const float cy = c[y];
-  const double loss = lse - (1.0 - eps) * double(cy) - eps / double(n) * sc;
+  // (the smoothing term only where it is on: 0 * -inf would turn a row with a masked class into NaN)
+  const double loss = lse - (1.0 - eps) * double(cy) - (eps != 0.0 ? eps / double(n) * sc : 0.0);
   if (write_grad) {
     const float floor = float(eps / double(n));
     const float inv_cap = cap != 0.0f ? 1.0f / cap : 0.0f;
@@ -126,7 +127,7 @@ RowOut double_row(const double* z, double* d, int64_t n, int64_t y, double eps, 
   }
   if (nan) se = std::numeric_limits<double>::quiet_NaN();
   const double lse = m + std::log(se);
-  const double loss = lse - (1.0 - eps) * c[y] - eps / double(n) * sc;
+  const double loss = lse - (1.0 - eps) * c[y] - (eps != 0.0 ? eps / double(n) * sc : 0.0);
   if (write_grad) {
     const double floor = eps / double(n);
     for (int64_t j = 0; j < n; ++j) {

@@ -49,19 +49,22 @@ def _rows_kernel(z_ptr, row_stride, labels_ptr, scale_ptr, scale_stride, lse_ptr
             c = _capped(to_compute(tl.load(base + cols, mask=live, other=0.0)), cap, CAP)
             m_new = tl.where(live, tl.maximum(m, c), m)
             stuck = m_new == float("-inf")  # nothing but -inf so far in this lane
-            alpha = tl.exp(tl.where(stuck, 0.0, m - m_new))
-            term = tl.where(live & ~stuck, tl.exp(tl.where(stuck, 0.0, c - m_new)), 0.0)
+            top = tl.where(stuck, 0.0, m_new)
+            alpha = tl.exp(tl.where(stuck, 0.0, m) - top)
+            term = tl.where(live & ~stuck, tl.exp(tl.where(stuck, 0.0, c) - top), 0.0)
             s = s * alpha + term
             sc += tl.where(live, c, 0.0)
             m = m_new
         mx = tl.max(m, axis=0)
         empty = m == float("-inf")
-        total = tl.sum(tl.where(empty, 0.0, s * tl.exp(tl.where(empty, 0.0, m - mx))), axis=0)
+        total = tl.sum(tl.where(empty, 0.0, s * tl.exp(tl.where(empty, mx, m) - mx)), axis=0)
         sum_c = tl.sum(sc, axis=0)
         lse = mx + tl.log(total)
         lse = tl.where(sum_c != sum_c, sum_c, lse)  # a NaN logit makes the row NaN
         c_y = _capped(to_compute(tl.load(base + y)), cap, CAP)
-        loss = lse - (1.0 - eps) * c_y - eps / V * sum_c
+        loss = lse - (1.0 - eps) * c_y
+        if eps != 0.0:  # (0 * -inf would be NaN for a row holding a -inf logit)
+            loss -= eps / V * sum_c
         tl.store(lse_ptr + row, lse.to(acc_ty))
         tl.store(loss_ptr + row, loss.to(acc_ty))
         if WRITE_GRAD:
