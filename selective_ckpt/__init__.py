@@ -8,6 +8,7 @@ from . import memory, rng
 from .layers import SelectiveAttention, SelectiveDecoderLayer, SelectiveMLP, set_recompute
 from .models import ConversionError, convert
 from .ops.attention import attention
+from .ops.cross_entropy import linear_cross_entropy
 from .ops.dropout import dropout
 from .ops.gelu import gelu_mlp
 from .ops.layer_norm import layer_norm
@@ -15,5 +16,6 @@ from .ops.rms_norm import rms_norm
 from .ops.swiglu import swiglu_mlp
 
 __all__ = ["ConversionError", "SelectiveAttention", "SelectiveDecoderLayer", "SelectiveMLP", "attention", "convert",
-           "dropout", "gelu_mlp", "layer_norm", "memory", "rms_norm", "rng", "set_recompute", "swiglu_mlp"]
+           "dropout", "gelu_mlp", "layer_norm", "linear_cross_entropy", "memory", "rms_norm", "rng", "set_recompute",
+           "swiglu_mlp"]
 __version__ = "0.1.0"

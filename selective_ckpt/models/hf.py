@@ -8,7 +8,7 @@ the forwards and wraps each decoder layer in its recompute scope. A failed check
 
 import functools
 
-from . import attention
+from . import attention, loss_head
 from .common import ConversionError, convert_decoder_layer
 from .patches import patch_forward, rms_norm_forward, swiglu_mlp_forward
 
@@ -75,14 +75,16 @@ def swiglu_layer_shape(layer, config):
 
 
 def apply(root, layers, patches, mode, layer_shape):
-    """Registers attention, patches the forwards and gives each decoder layer its recompute mode and
-    `layer_shape(layer, config)` (its LayerShape fields for the memory planner)."""
+    """Registers attention, patches the forwards, gives each decoder layer its recompute mode and
+    `layer_shape(layer, config)` (its LayerShape fields for the memory planner), and installs the fused
+    loss head on a causal LM (models/loss_head.py)."""
     attention.register()
     root.config._attn_implementation = attention.NAME
     for module, forward in patches:
         patch_forward(module, forward)
     for layer in layers:
         convert_decoder_layer(layer, mode, functools.partial(layer_shape, config=root.config))
+    loss_head.install(root)
 
 
 def converted_layers(model):

@@ -25,7 +25,7 @@ from ..double_backward import first_order_only
 from ..validation import check_choice, check_floating, check_linear, check_positive_int
 from .layer_norm import stat_dtype
 
-__all__ = ["chunk_rows", "cross_entropy_rows_op", "linear_cross_entropy", "logits_cross_entropy",
+__all__ = ["check_labels", "chunk_rows", "cross_entropy_rows_op", "linear_cross_entropy", "logits_cross_entropy",
            "check_cross_entropy_args"]
 
 REDUCTIONS = {"mean": 0, "sum": 1, "none": 2}
@@ -219,9 +219,15 @@ def check_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reducti
                             f"{type(num_items_in_batch).__name__}")
     if chunk_bytes is not None:
         check_positive_int(chunk_bytes, "chunk_bytes")
+    return check_labels(labels, vocab, ignore_index)
+
+
+def check_labels(labels, vocab, ignore_index):
+    """labels as int64, each in [0, vocab) or equal to ignore_index (F.cross_entropy fails on others too;
+    a kernel would read past the row). One host sync on a GPU."""
     labels = labels.long()
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-    if bad.any():  # F.cross_entropy fails on these too; a kernel would read past the row
+    if bad.any():
         raise ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); got "
                          f"{labels[bad][0].item()} at position {bad.nonzero()[0].item()}")
     return labels
