@@ -8,6 +8,7 @@ from . import memory, rng
 from .layers import SelectiveDecoderLayer, set_recompute
 from .models import ConversionError, convert
 from .ops.attention import attention
+from .ops.cross_entropy import linear_cross_entropy
 from .ops.dropout import dropout
 from .ops.gelu import gelu_mlp
 from .ops.layer_norm import layer_norm
@@ -16,5 +17,5 @@ from .ops.swiglu import swiglu_mlp
 from .registry import recomputable_layers
 
 __all__ = ["ConversionError", "SelectiveDecoderLayer", "attention", "convert", "dropout", "gelu_mlp", "layer_norm",
-           "memory", "recomputable_layers", "rms_norm", "rng", "set_recompute", "swiglu_mlp"]
+           "linear_cross_entropy", "memory", "recomputable_layers", "rms_norm", "rng", "set_recompute", "swiglu_mlp"]
 __version__ = "0.1.0"

@@ -158,3 +158,41 @@ def recompute_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, recomput
     if recompute == "selective":
         return 2 * LN_OUT_FLOPS * t * hidden_dim + GELU_FLOPS * t * ffn
     return forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio, causal, **layer_kwargs)
+
+
+def loss_head_estimate(tokens, vocab, hidden_dim, dtype, reduction="mean", weight_grad=True, bias=False,
+                       chunk_bytes=None, breakdown=False):
+    """Bytes the fused loss head (ops/cross_entropy.py, linear_cross_entropy) keeps after forward, and
+    the transient of one chunk, for `tokens` rows of `hidden_dim` against a `vocab` x `hidden_dim` weight.
+
+    mean / sum (gradients formed in forward): kept = dhidden t*h*e + dweight V*h*e (weight_grad) +
+    dbias V*e (bias); reduction="none": kept = the loss per row, t*4 (8 for float64), since it keeps
+    only its inputs, which exist anyway. chunk = one chunk's logits, chunk_rows(...) * V * e. The
+    step's transient peak above what is kept is at most one chunk, its per-row statistics and, for
+    16-bit weights over more than one chunk, the float32 weight-gradient accumulator and one chunk's
+    product (4 + 2) * V*h. `breakdown=True` returns the dict of parts (bytes).
+    """
+    from ..ops.cross_entropy import REDUCTIONS, chunk_rows
+
+    for value, name in ((tokens, "tokens"), (vocab, "vocab"), (hidden_dim, "hidden_dim")):
+        check_positive_int(value, name)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+    dtype = as_dtype(dtype)
+    e = torch.empty((), dtype=dtype).element_size()
+    acc = 8 if dtype == torch.float64 else 4
+    t, v, h = tokens, vocab, hidden_dim
+    rows = chunk_rows(t, v, h, e, chunk_bytes)
+    if reduction == "none":
+        parts = {"loss_rows": t * acc}
+    else:
+        parts = {"dhidden": t * h * e}
+        if weight_grad:
+            parts["dweight"] = v * h * e
+        if bias:
+            parts["dbias"] = v * e
+    parts["chunk"] = rows * v * e
+    parts["accumulator"] = (4 + e) * v * h if weight_grad and e < 4 and rows < t else 0
+    if breakdown:
+        return parts
+    return sum(v for k, v in parts.items() if k not in ("chunk", "accumulator"))

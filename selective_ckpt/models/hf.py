@@ -17,7 +17,7 @@ from torch import nn
 
 from ..activations import elementwise_problem, kernel_activation
 from ..registry import recomputable_layers
-from . import attention
+from . import attention, loss_head
 from .common import ConversionError, convert_decoder_layer
 from .patches import (
     dropout_forward,
@@ -218,7 +218,8 @@ def llama_shaped(model_type, prefix, **overrides):
 
 def apply(root, layers, patches, mode, spec):
     """Registers attention, patches the forwards and gives each decoder layer its recompute mode and
-    its shape reader (its LayerShape fields for the memory planner)."""
+    its shape reader (its LayerShape fields for the memory planner), and installs the fused
+    loss head on a causal LM (models/loss_head.py)."""
     attention.register()
     root.config._attn_implementation = attention.NAME
     for module, forward in patches:
@@ -227,6 +228,7 @@ def apply(root, layers, patches, mode, spec):
     for layer in layers:
         convert_decoder_layer(layer, mode, functools.partial(spec.shape, config=root.config, spec=spec),
                               names.get(id(layer)))
+    loss_head.install(root)
 
 
 def converted_layers(model):

@@ -1,0 +1,188 @@
+"""The loss head of a converted causal LM: its training loss through the fused linear cross-entropy.
+
+`install(root)` patches the instance forward of a causal LM (GPT2LMHeadModel, LlamaForCausalLM,
+MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, ...); modules, parameters and state-dict
+keys stay. In training mode with labels the patched forward runs transformers' own forward with
+two hooks that last for that call: the lm_head module, when the forward calls it, records the final
+hidden states and returns a placeholder instead of logits (no N x V matmul), and the model's
+`loss_function` (transformers' ForCausalLMLoss) is answered from those hidden states by
+`linear_cross_entropy` with its exact semantics: the label shift (or `shift_labels`),
+`ignore_index`, `num_items_in_batch`. The returned output then carries `logits=None` (a tuple
+output leaves the logits out, as transformers leaves out every None field). Eval mode and
+`labels=None` run the original forward and return the logits.
+
+The head's weight is read directly when the head is a plain nn.Linear (tied to the embeddings or
+not) or PEFT's modules_to_save wrapper around one. Any other head module (a PEFT LoRA adapter on
+lm_head, a quantized Linear) is called as a module on chunks of rows, each chunk under activation
+checkpointing and its logits fed to the same cross-entropy kernels: every adapter weight gets its
+gradient, and no more than one chunk of logits exists at a time (four matmuls instead of three).
+A model whose loss_function is not ForCausalLMLoss (a custom loss) keeps its original forward.
+"""
+
+import inspect
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..ops.cross_entropy import check_labels, chunk_rows, linear_cross_entropy, logits_cross_entropy
+from .patches import PATCHED, patch_forward
+
+HEAD_CLASS_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_causal_lm(root):
+    """A transformers causal LM whose forward takes labels and slices hidden states by logits_to_keep."""
+    if not type(root).__name__.endswith(HEAD_CLASS_SUFFIXES) or not isinstance(getattr(root, "lm_head", None),
+                                                                               nn.Module):
+        return False
+    params = inspect.signature(type(root).forward).parameters
+    return "labels" in params and "logits_to_keep" in params
+
+
+def install(root):
+    """Patches root's forward when it is a causal LM (is_causal_lm); otherwise leaves it as it is."""
+    if is_causal_lm(root):
+        patch_forward(root, causal_lm_forward)
+
+
+def _for_causal_lm_loss():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    return ForCausalLMLoss
+
+
+def _labels_given(original, args, kwargs):
+    if "labels" in kwargs:
+        return kwargs["labels"] is not None
+    try:
+        bound = inspect.signature(original).bind_partial(*args, **kwargs)
+    except TypeError:
+        return False  # the original forward reports the bad call itself
+    return bound.arguments.get("labels") is not None
+
+
+def causal_lm_forward(self, *args, **kwargs):
+    original = getattr(self, PATCHED)
+    if not self.training or not _labels_given(original, args, kwargs) or \
+            self.loss_function is not _for_causal_lm_loss():
+        return original(*args, **kwargs)
+    capture = _HeadCapture(self)
+    with capture:
+        out = original(*args, **kwargs)
+    return capture.without_logits(out)
+
+
+def _plain_linear(head):
+    """The nn.Linear whose weight the fused op can read for this head module, or None."""
+    if type(head).__name__ == "ModulesToSaveWrapper":  # PEFT's modules_to_save: the active copy
+        active = getattr(head, "active_adapters", None) or []
+        if getattr(head, "disable_adapters", False) or not active:
+            head = head.original_module
+        elif active[0] in head.modules_to_save:
+            head = head.modules_to_save[active[0]]
+        else:
+            return None
+    if type(head) is nn.Linear and "forward" not in vars(head):
+        return head
+    return None
+
+
+class _HeadCapture:
+    """While active: lm_head records its input and returns a placeholder; loss_function computes the
+    loss from that input. Both hooks are instance attributes removed on exit."""
+
+    def __init__(self, model):
+        self.model = model
+        self.head = model.lm_head
+        self.hidden = self.placeholder = None
+        self.loss_computed = False
+
+    def __enter__(self):
+        head, model = self.head, self.model
+        self._saved = {"forward": vars(head).get("forward"), "_loss_function": vars(model).get("_loss_function")}
+        self.head_forward = head.forward  # the module's own forward (bound), for heads called chunk by chunk
+        head.forward = self._intercept
+        model._loss_function = self._loss
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name in ((self.head, "forward"), (self.model, "_loss_function")):
+            saved = self._saved[name]
+            if saved is None:
+                vars(obj).pop(name, None)
+            else:
+                setattr(obj, name, saved)
+        return False
+
+    def _intercept(self, hidden_states, *args, **kwargs):
+        if args or kwargs or self.hidden is not None:
+            raise RuntimeError(f"{type(self.model).__name__}: lm_head was called in an unexpected way during a "
+                               "training forward with labels; the fused loss head cannot stand in for it")
+        self.hidden = hidden_states
+        vocab = self.model.config.vocab_size
+        self.placeholder = hidden_states.new_empty(()).expand(*hidden_states.shape[:-1], vocab)
+        return self.placeholder
+
+    def _loss(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+              **kwargs):
+        if logits is not self.placeholder:
+            raise RuntimeError(f"{type(self.model).__name__}: its forward changes the logits between lm_head and the "
+                               "loss, which the fused loss head does not reproduce")
+        self.loss_computed = True
+        hidden = self.hidden
+        if shift_labels is None:
+            labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        shift_labels = shift_labels.reshape(-1).to(flat.device)
+        if flat.shape[0] != shift_labels.shape[0]:
+            raise ValueError(f"Expected input batch_size ({flat.shape[0]}) to match target batch_size "
+                             f"({shift_labels.shape[0]}): the hidden states kept by logits_to_keep do not line up "
+                             "with the labels")
+        linear = _plain_linear(self.head)
+        if linear is not None:
+            if linear.out_features != vocab_size:
+                raise ValueError(f"lm_head has {linear.out_features} outputs, config.vocab_size is {vocab_size}")
+            return linear_cross_entropy(flat, linear.weight, shift_labels, linear.bias, ignore_index=ignore_index,
+                                        num_items_in_batch=num_items_in_batch)
+        return module_cross_entropy(self.head_forward, flat, shift_labels, vocab_size, ignore_index,
+                                    num_items_in_batch)
+
+    def without_logits(self, out):
+        if not self.loss_computed:
+            raise RuntimeError(f"{type(self.model).__name__}: its forward did not compute the loss through "
+                               "loss_function, so the fused loss head cannot replace its logits")
+        if isinstance(out, tuple):
+            return tuple(x for x in out if x is not self.placeholder)
+        fields = {k: v for k, v in out.items() if v is not self.placeholder}
+        return type(out)(**fields)
+
+
+def module_cross_entropy(forward, hidden, labels, vocab, ignore_index=-100, num_items_in_batch=None):
+    """ForCausalLMLoss of `forward(hidden)` (a head module's forward, [N, h] -> [N, vocab]) computed on
+    chunks of rows, each under activation checkpointing: a chunk's logits exist only while it is
+    computed and again while its backward runs. Mean over non-ignored labels, or sum / num_items_in_batch."""
+    labels = check_labels(labels, vocab, ignore_index)
+    n_tokens, h = hidden.shape
+    rows = chunk_rows(n_tokens, vocab, h, max(4, hidden.element_size()))  # logits may come out in float32
+
+    def piece(x, y):
+        z = forward(x)
+        if z.shape != (x.shape[0], vocab):
+            raise ValueError(f"lm_head gave logits of shape {list(z.shape)}, expected [{x.shape[0]}, {vocab}]")
+        return logits_cross_entropy(z, y, ignore_index).sum()
+
+    total = None
+    for start in range(0, n_tokens, rows):
+        part = checkpoint(piece, hidden[start:start + rows], labels[start:start + rows], use_reentrant=False)
+        total = part if total is None else total + part
+    if total is None:
+        total = hidden.new_zeros((), dtype=torch.float32)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    return total / (labels != ignore_index).sum()
+
+
+__all__ = ["causal_lm_forward", "install", "is_causal_lm", "module_cross_entropy"]

@@ -1,0 +1,308 @@
+"""Fused linear cross-entropy: the loss head without its N x V logits (docs/DESIGN.md, "Loss head").
+
+`linear_cross_entropy(hidden [N, h], weight [V, h], labels [N])` is `F.cross_entropy(F.linear(hidden,
+weight, bias).float(), labels)` with transformers' ForCausalLMLoss semantics, computed over chunks
+of rows: each chunk's logits [rows, V] are one matmul into a reused buffer, one kernel pass
+(`cross_entropy_rows_`, C++ on CPU, Triton on GPU) turns them into per-row logsumexp and loss and,
+in the same pass, into the gradient of the loss with respect to them, and two more matmuls take
+that gradient to dhidden and dweight. Nothing of size N x V exists beyond one chunk.
+
+Reductions "mean" and "sum" (and `num_items_in_batch`) form the gradients during forward: three
+matmuls in all, like the unfused head, and what is kept until backward is the gradients backward
+returns anyway (dhidden [N, h]; dweight [V, h] and dbias [V] only for what requires grad), scaled
+there by the incoming gradient. reduction="none" cannot do that (its gradient per row is not known
+in forward): it keeps hidden, weight, bias and labels and recomputes each chunk's logits in backward
+(four matmuls).
+
+The chunk holds `chunk_rows(N, V, h, itemsize, chunk_bytes)` rows: `chunk_bytes` (default: the
+weight's bytes, clamped to [4 MiB, 256 MiB]) divided by one row of logits, V * itemsize.
+"""
+
+import torch
+
+from .. import backend
+from ..double_backward import first_order_only
+from ..validation import check_choice, check_floating, check_linear, check_positive_int
+from .layer_norm import stat_dtype
+
+__all__ = ["check_labels", "chunk_rows", "cross_entropy_rows_op", "linear_cross_entropy", "logits_cross_entropy",
+           "check_cross_entropy_args"]
+
+REDUCTIONS = {"mean": 0, "sum": 1, "none": 2}
+MIN_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 256 << 20
+
+
+def chunk_rows(n_tokens, vocab, hidden_dim, itemsize, chunk_bytes=None):
+    """Rows per chunk: the byte budget over one row of logits (vocab * itemsize), at least 1, at most
+    n_tokens. The default budget is the weight's bytes (vocab * hidden_dim * itemsize) clamped to
+    [4 MiB, 256 MiB]: the transient is at most what the weight gradient keeps, and a chunk is
+    hidden_dim rows long (up to the cap), enough for the CPU matmuls to run near full speed (on CPU a
+    chunk of 128 rows made the head 1.3x slower than one of 512 at h = 256)."""
+    if chunk_bytes is None:
+        chunk_bytes = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, vocab * hidden_dim * itemsize))
+    return max(1, min(n_tokens, chunk_bytes // max(1, vocab * itemsize)))
+
+
+@torch.library.custom_op("selective_ckpt::cross_entropy_rows_", mutates_args=("logits",))
+def cross_entropy_rows_op(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, ignore_index: int,
+                          label_smoothing: float, softcap: float, write_grad: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse, loss) per row of logits [rows, V] (float32; float64 for float64 logits), with labels int64
+    [rows] in [0, V) or ignore_index. softcap 0 means none. With write_grad, logits are overwritten by
+    scale * d(loss)/d(logits), scale being [1] or [rows] in lse's dtype; otherwise they are only read."""
+    rows, vocab = _check_rows_operands(logits, labels, scale)
+    stat = stat_dtype(logits.dtype)
+    lse = logits.new_empty(rows, dtype=stat)
+    loss = logits.new_empty(rows, dtype=stat)
+    if rows and vocab:
+        backend.call("cross_entropy", "rows", logits, logits.stride(0), labels.contiguous(), scale.contiguous(),
+                     0 if scale.numel() == 1 else 1, lse, loss, rows, vocab, int(ignore_index),
+                     float(label_smoothing), float(softcap), bool(write_grad))
+    return lse, loss
+
+
+@cross_entropy_rows_op.register_fake
+def _(logits, labels, scale, ignore_index, label_smoothing, softcap, write_grad):
+    stat = stat_dtype(logits.dtype)
+    return logits.new_empty(logits.shape[0], dtype=stat), logits.new_empty(logits.shape[0], dtype=stat)
+
+
+def _check_rows_operands(logits, labels, scale):
+    """The kernel reads logits by rows of V contiguous elements, one int64 label and one scale (or one
+    for all) per row: anything else would read past them."""
+    check_floating(logits, "logits")
+    if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
+        raise ValueError(f"logits must be [rows, V] with contiguous rows, got shape {list(logits.shape)} "
+                         f"strides {list(logits.stride())}")
+    rows = logits.shape[0]
+    if labels.dtype != torch.int64 or labels.shape != (rows,) or labels.device != logits.device:
+        raise ValueError(f"labels must be int64 [{rows}] on {logits.device}, got {labels.dtype} "
+                         f"{list(labels.shape)} on {labels.device}")
+    stat = stat_dtype(logits.dtype)
+    if scale.dtype != stat or scale.numel() not in (1, rows) or scale.dim() != 1 or scale.device != logits.device:
+        raise ValueError(f"scale must be {stat} [1] or [{rows}] on {logits.device}, got {scale.dtype} "
+                         f"{list(scale.shape)} on {scale.device}")
+    return rows, logits.shape[1]
+
+
+def _head_pass(hidden, weight, bias, labels, scale, cfg, rows_per_chunk, write_grad, needs):
+    """One pass over the chunks: per-row (lse, loss) and, with write_grad, (dhidden, dweight, dbias)
+    for those `needs` asks for (each scaled by `scale`, one value or one per row)."""
+    ignore_index, smoothing, softcap = cfg
+    need_dx, need_dw, need_db = (write_grad and n for n in needs)
+    n_tokens, h = hidden.shape
+    vocab = weight.shape[0]
+    stat = stat_dtype(hidden.dtype)
+    lse = hidden.new_empty(n_tokens, dtype=stat)
+    loss = hidden.new_empty(n_tokens, dtype=stat)
+    dx = torch.empty_like(hidden) if need_dx else None
+    single = rows_per_chunk >= n_tokens
+    # 16-bit weight gradients accumulate over chunks in float32 and are rounded once at the end.
+    dw = torch.zeros(vocab, h, dtype=stat, device=hidden.device) if need_dw and not single else None
+    db = torch.zeros(vocab, dtype=stat, device=hidden.device) if need_db else None
+    buf = hidden.new_empty(min(rows_per_chunk, n_tokens), vocab)
+    wt = weight.t()
+    per_row = scale.numel() != 1
+    for start in range(0, n_tokens, rows_per_chunk):
+        end = min(n_tokens, start + rows_per_chunk)
+        xc, z = hidden[start:end], buf[:end - start]
+        if bias is None:
+            torch.mm(xc, wt, out=z)
+        else:
+            torch.addmm(bias, xc, wt, out=z)
+        lse_c, loss_c = cross_entropy_rows_op(z, labels[start:end], scale[start:end] if per_row else scale,
+                                              ignore_index, smoothing, softcap, write_grad)
+        lse[start:end], loss[start:end] = lse_c, loss_c
+        if not write_grad:
+            continue
+        if need_dx:
+            torch.mm(z, weight, out=dx[start:end])
+        if need_dw:
+            if single:
+                dw = torch.mm(z.t(), xc)
+            elif dw.dtype == z.dtype:
+                dw.addmm_(z.t(), xc)
+            else:
+                dw.add_(torch.mm(z.t(), xc))
+        if need_db:
+            db.add_(z.sum(0, dtype=stat))
+    del buf
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    if db is not None and db.dtype != bias.dtype:
+        db = db.to(bias.dtype)
+    return lse, loss, dx, dw, db
+
+
+def _stat_scalar(value, like):
+    """value (a Python number or a one-element tensor) as a [1] tensor of like's statistics dtype."""
+    t = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+    return t.reshape(1).to(device=like.device, dtype=stat_dtype(like.dtype))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, denom, reduction, cfg, rows_per_chunk, needs):
+        ctx.reduction, ctx.cfg, ctx.rows_per_chunk = reduction, cfg, rows_per_chunk
+        if reduction == "none":
+            ones = _stat_scalar(1.0, hidden)
+            _, loss, *_ = _head_pass(hidden, weight, bias, labels, ones, cfg, rows_per_chunk, False, needs)
+            ctx.save_for_backward(hidden, weight, bias, labels)
+            return loss
+        # The gradient of the reduced loss per row is 1 / denom: formed now, scaled by grad_output later.
+        scale = _stat_scalar(1.0, hidden) if denom is None else 1.0 / _stat_scalar(denom, hidden)
+        _, loss, dx, dw, db = _head_pass(hidden, weight, bias, labels, scale, cfg, rows_per_chunk, any(needs), needs)
+        ctx.kept = [dx, dw, db]  # a list, emptied in backward so autograd can take the tensors over
+        total = loss.sum()
+        return total if denom is None else total / denom
+
+    @staticmethod
+    @first_order_only("selective_ckpt.linear_cross_entropy")
+    def backward(ctx, grad):
+        if ctx.reduction == "none":
+            hidden, weight, bias, labels = ctx.saved_tensors
+            needs = tuple(ctx.needs_input_grad[:3])
+            scale = grad.contiguous().to(stat_dtype(hidden.dtype))
+            _, _, dx, dw, db = _head_pass(hidden, weight, bias, labels, scale, ctx.cfg, ctx.rows_per_chunk, True,
+                                          needs)
+        else:
+            dx, dw, db = ctx.kept
+            ctx.kept.clear()
+            if grad.device.type != "cpu" or grad.item() != 1.0:  # skipped on CPU only: no host sync on GPU
+                for g in (dx, dw, db):
+                    if g is not None:
+                        g.mul_(grad.to(g.dtype))
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def check_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap,
+                             num_items_in_batch, chunk_bytes):
+    """Raises TypeError / ValueError naming the argument that does not fit; returns labels as int64."""
+    check_floating(hidden, "hidden")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [N, h] (tokens, hidden size), got shape {list(hidden.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        check_floating(t, name)
+        if t.dtype != hidden.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, expected hidden's dtype {hidden.dtype}")
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device}, expected hidden's device {hidden.device}")
+    vocab = check_linear(weight, bias, ("weight", "bias"), ("V", "h"), hidden.shape[1], "hidden's last dim")
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    if labels.shape != (hidden.shape[0],):
+        raise ValueError(f"labels must have shape [N] = [{hidden.shape[0]}] (hidden's rows), got {list(labels.shape)}")
+    if labels.device != hidden.device:
+        raise ValueError(f"labels is on {labels.device}, expected hidden's device {hidden.device}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_choice(reduction, "reduction", REDUCTIONS)
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or \
+            not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or
+                                not softcap > 0):
+        raise ValueError(f"softcap must be None or a positive float, got {softcap!r}")
+    if num_items_in_batch is not None:
+        if reduction == "none":
+            raise ValueError("num_items_in_batch divides the summed loss; it cannot go with reduction='none'")
+        if isinstance(num_items_in_batch, torch.Tensor):
+            if num_items_in_batch.numel() != 1:
+                raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, got shape "
+                                 f"{list(num_items_in_batch.shape)}")
+        elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float)):
+            raise TypeError(f"num_items_in_batch must be None, a number or a tensor, got "
+                            f"{type(num_items_in_batch).__name__}")
+    if chunk_bytes is not None:
+        check_positive_int(chunk_bytes, "chunk_bytes")
+    return check_labels(labels, vocab, ignore_index)
+
+
+def check_labels(labels, vocab, ignore_index):
+    """labels as int64, each in [0, vocab) or equal to ignore_index (F.cross_entropy fails on others too;
+    a kernel would read past the row). One host sync on a GPU."""
+    labels = labels.long()
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bad.any():
+        raise ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); got "
+                         f"{labels[bad][0].item()} at position {bad.nonzero()[0].item()}")
+    return labels
+
+
+def _autocast_operands(hidden, weight, bias):
+    """Under autocast the head computes in the autocast dtype, as F.linear does there."""
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                         softcap=None, num_items_in_batch=None, *, chunk_bytes=None):
+    """Cross-entropy of the logits F.linear(hidden, weight, bias) without forming them all at once.
+
+    hidden [N, h], weight [V, h], bias [V] or None (hidden's dtype), labels [N] integers in [0, V) or
+    ignore_index. Exactly `F.cross_entropy(logits.float(), labels, ignore_index=..., reduction=...,
+    label_smoothing=...)` as transformers' ForCausalLMLoss computes it: softcap (Gemma-2's
+    final_logit_softcapping) caps the logits as softcap * tanh(logits / softcap) first;
+    num_items_in_batch (a number or a one-element tensor) gives the summed loss divided by it. The
+    logsumexp and the loss accumulate in float32 whatever the input dtype; the loss is float32 (a
+    scalar, or [N] for reduction="none", 0 at ignored rows). A batch whose labels are all ignored
+    gives NaN under "mean" and zero gradients, as transformers does.
+
+    chunk_bytes bounds the transient logits of one chunk (see `chunk_rows`). Under autocast the head
+    computes in the autocast dtype. Nothing of size N x V is kept for backward.
+    """
+    labels = check_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing,
+                                      softcap, num_items_in_batch, chunk_bytes)
+    hidden, weight, bias = _autocast_operands(hidden, weight, bias)
+    n_tokens, h = hidden.shape
+    rows = chunk_rows(n_tokens, weight.shape[0], h, hidden.element_size(), chunk_bytes)
+    tracked = torch.is_grad_enabled()
+    needs = tuple(tracked and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if num_items_in_batch is not None:
+        denom = num_items_in_batch
+    elif reduction == "mean":
+        denom = (labels != ignore_index).sum()
+    else:
+        denom = None
+    if isinstance(denom, torch.Tensor):
+        denom = denom.to(hidden.device)
+    cfg = (int(ignore_index), float(label_smoothing), float(softcap or 0.0))
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _LinearCrossEntropy.apply(hidden, weight, bias, labels, denom, "none" if reduction == "none" else
+                                         "reduced", cfg, rows, needs)
+
+
+class _LogitsCrossEntropy(torch.autograd.Function):
+    """Per-row loss of one chunk of logits a module produced; keeps the chunk's logits for backward."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, cfg):
+        ones = _stat_scalar(1.0, logits)
+        _, loss = cross_entropy_rows_op(logits.contiguous(), labels, ones, *cfg, False)
+        ctx.cfg = cfg
+        ctx.save_for_backward(logits, labels)
+        return loss
+
+    @staticmethod
+    @first_order_only("selective_ckpt.logits_cross_entropy")
+    def backward(ctx, grad):
+        logits, labels = ctx.saved_tensors
+        dz = logits.contiguous().clone()
+        cross_entropy_rows_op(dz, labels, grad.contiguous().to(stat_dtype(logits.dtype)), *ctx.cfg, True)
+        return dz, None, None
+
+
+def logits_cross_entropy(logits, labels, ignore_index=-100, label_smoothing=0.0, softcap=None):
+    """Per-row float32 loss of logits [n, V] (any float dtype) with the kernels of linear_cross_entropy:
+    for a chunk of logits some other module computed (a LoRA or quantized head). labels int64 [n],
+    checked by the caller (check_cross_entropy_args)."""
+    return _LogitsCrossEntropy.apply(logits, labels, (int(ignore_index), float(label_smoothing),
+                                                      float(softcap or 0.0)))
