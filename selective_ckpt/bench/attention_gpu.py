@@ -7,7 +7,7 @@ Shapes: bf16, B*S = 16384 tokens and H*D = 2048 at every point; S 1024..8192, D 
 causal and not, dropout 0 and 0.1. FLOPs: forward 4*B*H*S*S*D (halved when causal); dK/dV does
 two forward's worth (four matmuls), dQ one and a half (three); SDPA's backward 2.5 forwards.
 
-    python bench/attention_gpu.py --out DIR [--quick] [--dry-run]
+    python -m selective_ckpt.bench.attention_gpu --out DIR [--quick] [--dry-run]
 
 Writes DIR/attention_gpu.csv (one row per point and implementation) and DIR/layer_7b.csv; prints
 a short table last. --dry-run checks arguments and prints the plan without touching a GPU.
@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 FIELDS = ["seq", "dim", "heads", "batch", "causal", "dropout", "impl", "kernel", "ms", "tflops", "pct_matmul",
           "max_mem_mib"]
@@ -46,10 +44,9 @@ def matmul_tflops(do_bench):
 
 def ours(S, D, causal, p, do_bench):
     """{kernel: ms} for the four Triton kernels at one point, and the point's peak memory."""
+    from selective_ckpt import rng
     from selective_ckpt.triton_kernels import attention as tk
     from selective_ckpt.triton_kernels.philox import seed_tensor
-
-    from selective_ckpt import rng
 
     B, H = 16384 // S, 2048 // D
     qkv = torch.randn(B, S, 3, H, D, device="cuda", dtype=torch.bfloat16)
