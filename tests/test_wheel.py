@@ -141,3 +141,17 @@ def test_installed_wheel_runs_an_example_outside_the_checkout(fresh_venv, tmp_pa
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "saved for backward" in proc.stdout and "recompute='selective'" in proc.stdout
+
+
+def test_installed_wheel_runs_the_main_job_into_its_own_folder(fresh_venv, tmp_path):
+    """`python -m selective_ckpt.bench --quick` from the installed wheel (two of its rows, one length, to
+    stay short): it writes into a new folder under the current directory and says where."""
+    python, _ = fresh_venv
+    cmd = [str(python), "-m", "selective_ckpt.bench", "--quick", "--rows", "sdpa,selective", "--seq", "32",
+           "--no-progress"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_clean_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (folder,) = (tmp_path / "bench-runs").iterdir()
+    assert folder.name.endswith("-quick") and proc.stdout.strip().splitlines()[-1].endswith(f" to {folder}")
+    assert (folder / "results.csv").is_file() and (folder / "tradeoff.png").is_file()
+    assert re.search(r"^32 +SelectiveDecoderLayer selective  ", proc.stdout, re.M), proc.stdout

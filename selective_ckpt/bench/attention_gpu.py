@@ -17,9 +17,10 @@ import argparse
 import csv
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from .output import run_dir
 
 FIELDS = ["seq", "dim", "heads", "batch", "causal", "dropout", "impl", "kernel", "ms", "tflops", "pct_matmul",
           "max_mem_mib"]
@@ -115,14 +116,15 @@ def layer_7b(seq, dropout, repeats=10):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/out", help="folder for the CSVs")
+    ap.add_argument("--out", default=None, help="folder for the CSVs (default: a new folder per run, "
+                                                "./bench-runs/<UTC time>-attention-gpu)")
     ap.add_argument("--quick", action="store_true", help="S 1024 and 4096 only")
     ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU needed")
     args = ap.parse_args(argv)
     points = list(plan(args.quick))
     if args.dry_run:
         print(f"[dry-run] {len(points)} points x (4 Triton kernels + SDPA flash/cudnn fwd, bwd); 7B layer "
-              f"seq 2048/4096 dropout 0/0.1; CSVs under {args.out}")
+              f"seq 2048/4096 dropout 0/0.1; CSVs under {args.out or './bench-runs/<UTC time>-attention-gpu'}")
         return 0
     import triton
     from triton.testing import do_bench
@@ -130,8 +132,8 @@ def main(argv=None):
     def bench(fn):
         return do_bench(fn, warmup=10, rep=40)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = run_dir(args.out, "attention-gpu")
+    print(f"writing to {out.resolve()}", flush=True)
     peak = matmul_tflops(do_bench)
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s on {torch.cuda.get_device_name()} (triton {triton.__version__})",
           flush=True)

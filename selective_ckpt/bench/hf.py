@@ -23,13 +23,13 @@ import csv
 import gc
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from .. import memory
 from ..models import convert
 from ..models.hf import converted_layers
+from .output import run_dir
 from .runner import _spread
 
 ROWS = ("sdpa", "hf-ckpt", "selective")
@@ -178,7 +178,8 @@ def build_parser():
     ap.add_argument("--batch", type=int)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--dropout", type=float, default=0.0, help="attention (Llama) / all (GPT-2) dropout rates")
-    ap.add_argument("--out", default="bench_hf_results", help="folder for results.csv")
+    ap.add_argument("--out", default=None, help="folder for results.csv (default: a new folder per run, "
+                                                   "./bench-runs/<UTC time>-hf[-quick], printed at the end)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -197,10 +198,9 @@ def main(argv=None):
           flush=True)
     results = measure(cfg, args.models, progress=not args.no_progress)
     print(format_table(results, cfg))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = run_dir(args.out, "hf-quick" if args.quick else "hf")
     write_csv(results, out / "results.csv")
-    print(f"wrote {out / 'results.csv'}")
+    print(f"wrote results.csv to {out.resolve()}")
     return results
 
 
