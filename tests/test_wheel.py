@@ -2,7 +2,9 @@
 the wheel goes into a fresh venv that sees torch and numpy (and the bench extras) through a .pth
 file but neither triton nor this checkout, and everything runs from a temporary directory.
 
-One build serves the whole module (it compiles _C once, about a minute). Everything is offline:
+One build serves the whole session, pytest-xdist workers included (it compiles _C once, a minute or
+more): the first worker builds under a lock in the session's shared temporary folder and the others
+reuse it. Everything is offline:
 the build uses this environment's setuptools, pybind11 and ninja (no isolation), and pip installs
 the wheel with --no-index, so a dependency the parent environment does not already have fails.
 """
@@ -39,12 +41,37 @@ def _clean_env(**extra):
     return env | {"PYTHONNOUSERSITE": "1"} | extra
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist")
+def _shared(tmp_path_factory, name, make):
+    """make(folder) once per session: under xdist every worker's basetemp sits in one session folder."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    base = tmp_path_factory.getbasetemp()
+    if worker is None:
+        folder = base / name
+        if not (folder / "done").exists():
+            folder.mkdir(exist_ok=True)
+            make(folder)
+            (folder / "done").touch()
+        return folder
+    from filelock import FileLock  # a torch dependency
+
+    folder = base.parent / name
+    with FileLock(str(base.parent / f"{name}.lock")):
+        if not (folder / "done").exists():
+            folder.mkdir(exist_ok=True)
+            make(folder)
+            (folder / "done").touch()
+    return folder
+
+
+def _build(out):
     cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=_clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    out = _shared(tmp_path_factory, "dist", _build)
     (sdist,), (wheel,) = out.glob("*.tar.gz"), out.glob("*.whl")
     return sdist, wheel
 
@@ -65,26 +92,29 @@ def fresh_venv(dist, tmp_path_factory):
     """A venv holding only the wheel (installed by this environment's pip through --python); torch & co.
     through a .pth to a folder of links into the parent's site-packages that leaves out triton and the
     editable selective_ckpt."""
-    base = tmp_path_factory.mktemp("venv")
-    env_dir, shared = base / "venv", base / "parent-site"
-    venv.EnvBuilder(with_pip=False, symlinks=True).create(env_dir)
-    shared.mkdir()
-    for site in _parent_site_dirs():
-        for entry in site.iterdir():
-            stem = re.split(r"[-.]", entry.name, maxsplit=1)[0].lower()
-            if stem in _HIDDEN or entry.suffix == ".pth" or (shared / entry.name).exists():
-                continue
-            (shared / entry.name).symlink_to(entry)
-    python = env_dir / "bin" / "python"
-    site_dir = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    Path(site_dir, "parent_site.pth").write_text(str(shared) + "\n")
-    # no --no-deps: pip resolves torch and numpy against what the venv sees and may download nothing
-    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", "--no-cache-dir",
-           "--disable-pip-version-check", "-q", str(dist[1])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_clean_env(), cwd=base)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return python, base
+
+    def make(base):
+        env_dir, shared = base / "venv", base / "parent-site"
+        venv.EnvBuilder(with_pip=False, symlinks=True).create(env_dir)
+        shared.mkdir()
+        for site in _parent_site_dirs():
+            for entry in site.iterdir():
+                stem = re.split(r"[-.]", entry.name, maxsplit=1)[0].lower()
+                if stem in _HIDDEN or entry.suffix == ".pth" or (shared / entry.name).exists():
+                    continue
+                (shared / entry.name).symlink_to(entry)
+        python = env_dir / "bin" / "python"
+        site_dir = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+        Path(site_dir, "parent_site.pth").write_text(str(shared) + "\n")
+        # no --no-deps: pip resolves torch and numpy against what the venv sees and may download nothing
+        cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", "--no-cache-dir",
+               "--disable-pip-version-check", "-q", str(dist[1])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_clean_env(), cwd=base)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    base = _shared(tmp_path_factory, "venv", make)
+    return base / "venv" / "bin" / "python", base
 
 
 def test_sdist_holds_everything_a_wheel_builds_from(dist):

@@ -57,15 +57,20 @@ def build_model(kind, row, cfg, layers=None):
         model = LlamaForCausalLM(config)
     elif kind == "gpt2":
         p = cfg["dropout"]
+        # bos/eos inside the small vocabulary (GPT-2's 50256 is outside it, and transformers warns)
         config = GPT2Config(vocab_size=cfg["vocab"], n_embd=cfg["hidden"], n_layer=n, n_head=cfg["heads"],
-                            n_positions=seq, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False)
+                            n_positions=seq, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False,
+                            bos_token_id=cfg["vocab"] - 1, eos_token_id=cfg["vocab"] - 1)
         model = GPT2LMHeadModel(config)
     else:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {kind!r}")
     model.config._attn_implementation = "sdpa"
     model.train()
     if row == "hf-ckpt":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # the name gradient_checkpointing_enable warns there
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif row == "selective":
         convert(model)
     elif row != "sdpa":
