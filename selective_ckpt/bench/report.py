@@ -83,8 +83,9 @@ QUICK_CAVEAT = ("--quick: tiny shapes and 3 timed steps, a check that the job ru
 
 
 def summary(results, quick=False):
-    lines = [QUICK_CAVEAT] if quick else []
-    by = {(r["seq"], r["row"]): r for r in results}
+    """One line per length on the selective row's ratios (and the Llama rows'); --quick's caveat first."""
+    lines = []
+    by = {(r["seq"], r["row"]): r for r in results if r.get("process", "main") == "main"}
     for seq in sorted({r["seq"] for r in results}):
         sel = by.get((seq, "selective"))
         if sel is None:
@@ -106,7 +107,9 @@ def summary(results, quick=False):
         if llama is not None and llama["kept_vs_eager"] is not None:
             lines.append(f"seq {seq}: Llama selective keeps {_ratio(llama['kept_vs_eager'])} the Llama SDPA layer's "
                          f"activations, step {_ratio(llama['time_vs_sdpa'])} it")
-    return "\n".join(lines) if len(lines) > quick else ""
+    if lines and quick:
+        lines.insert(0, QUICK_CAVEAT)
+    return "\n".join(lines)
 
 
 CSV_FIELDS = ("device", "dtype", "hidden", "heads", "mlp_ratio", "layers", "batch", "seq", "row", "process",
