@@ -26,7 +26,7 @@ pytestmark = pytest.mark.wheel
 
 # parent site-packages entries the fresh venv must not see: the GPU kernels' dependency (a CPU
 # install must work without it) and this package's own editable install
-_HIDDEN = {"triton", "selective_ckpt", "__editable__", "__pycache__"}
+_HIDDEN = {"triton", "selective_ckpt", "__pycache__"}
 
 
 def _source_files(folder, suffixes):
@@ -100,7 +100,8 @@ def fresh_venv(dist, tmp_path_factory):
         for site in _parent_site_dirs():
             for entry in site.iterdir():
                 stem = re.split(r"[-.]", entry.name, maxsplit=1)[0].lower()
-                if stem in _HIDDEN or entry.suffix == ".pth" or (shared / entry.name).exists():
+                if (stem in _HIDDEN or entry.name.startswith("__editable__") or entry.suffix == ".pth"
+                        or (shared / entry.name).exists()):
                     continue
                 (shared / entry.name).symlink_to(entry)
         python = env_dir / "bin" / "python"
