@@ -17,7 +17,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -38,6 +38,17 @@ def _ninja_executable():
     import ninja  # the PyPI package ships the binary
 
     return os.path.join(ninja.BIN_DIR, "ninja")
+
+
+def packages():
+    """Every package of the wheel, found on disk so that none can be missed: selective_ckpt and its
+    subpackages, and triton_kernels/ (with any subpackages of its own) as selective_ckpt.triton_kernels.
+    A link selective_ckpt/triton_kernels -> ../triton_kernels (bench/gpu.sh makes one) is the same package."""
+    kernels = "selective_ckpt.triton_kernels"
+    found = [p for p in find_packages(str(ROOT), include=["selective_ckpt", "selective_ckpt.*"])
+             if p != kernels and not p.startswith(kernels + ".")]
+    found += [kernels] + [f"{kernels}.{p}" for p in find_packages(str(ROOT / "triton_kernels"))]
+    return found, {kernels: "triton_kernels"}  # subpackages follow their parent's directory
 
 
 SOURCES = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
@@ -102,4 +113,10 @@ if sys.argv[1:] == ["inplace"]:
         SOURCES, ROOT / "selective_ckpt" / ("_C" + sysconfig.get_config_var("EXT_SUFFIX")), ROOT / "build" / "ninja"
     )
 else:
-    setup(ext_modules=[Extension("selective_ckpt._C", sources=SOURCES)], cmdclass={"build_ext": NinjaBuildExt})
+    PACKAGES, PACKAGE_DIRS = packages()
+    setup(
+        packages=PACKAGES,
+        package_dir=PACKAGE_DIRS,
+        ext_modules=[Extension("selective_ckpt._C", sources=SOURCES)],
+        cmdclass={"build_ext": NinjaBuildExt},
+    )

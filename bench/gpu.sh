@@ -82,7 +82,7 @@ install_package() {
 }
 
 attention_sweep() {
-  "$PY" bench/attention_gpu.py --out "$DEST/attention"
+  "$PY" -m selective_ckpt.bench.attention_gpu --out "$DEST/attention"
 }
 
 # The sweep's closing table: from its header line to the end of the log.
@@ -90,7 +90,7 @@ last_table() { sed -n '/^== attention bf16/,$p'; }
 
 short_table() {
   echo
-  echo "== attention sweep (bf16): the table bench/attention_gpu.py printed last"
+  echo "== attention sweep (bf16): the table selective_ckpt.bench.attention_gpu printed last"
   if grep -q '^== attention bf16' "$DEST/attention_gpu.log" 2>/dev/null; then
     sed -n '/^== attention bf16/,$p' "$DEST/attention_gpu.log"
   else
@@ -106,11 +106,12 @@ export -f environment install_package attention_sweep
 
 if [ "$DRY" = 1 ]; then
   echo "[dry-run] python: $PY; output folder: $DEST"
-  for f in setup.py bench/attention_gpu.py; do
+  for f in setup.py selective_ckpt/bench/attention_gpu.py; do
     [ -f "$f" ] || { echo "[dry-run] missing $f" >&2; FAILED=1; }
   done
   "$PY" -m selective_ckpt.bench --help > /dev/null || { echo "[dry-run] selective_ckpt.bench --help failed" >&2; FAILED=1; }
-  "$PY" bench/attention_gpu.py --dry-run --out "$DEST/attention" || { echo "[dry-run] attention_gpu.py failed" >&2; FAILED=1; }
+  "$PY" -m selective_ckpt.bench.attention_gpu --dry-run --out "$DEST/attention" \
+    || { echo "[dry-run] selective_ckpt.bench.attention_gpu failed" >&2; FAILED=1; }
   "$PY" -m pytest -m cuda -q -p no:cacheprovider --collect-only tests/ > /dev/null \
     || { echo "[dry-run] collecting the CUDA tests failed" >&2; FAILED=1; }
   got=$(printf '%s\n' 'S= 1024 D= 64 ... fwd 0.1 ms' '== attention bf16, forward TFLOP/s' '1024 64 True 300.0' | last_table)

@@ -4,6 +4,8 @@ The text is the repository's own README and package sources (falling back to Pyt
 nothing is downloaded. Prints the loss, the bytes one forward keeps for backward (the saved-tensor
 ledger) and the peak of live tensor memory over one training step.
 
+Needs the package installed (`pip install .`, no extra).
+
     python examples/train_tiny_gpt.py                 # 200 steps, recompute="selective"
     python examples/train_tiny_gpt.py --compare       # none / selective / full from the same seeds
 """
@@ -19,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from selective_ckpt import SelectiveDecoderLayer, memory, set_recompute
 
-from selective_ckpt import SelectiveDecoderLayer, memory, set_recompute  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # the text to train on; the package comes from the install
 
 
 def load_text():

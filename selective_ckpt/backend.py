@@ -42,8 +42,18 @@ def backend_for(t: torch.Tensor) -> str:
     return "triton" if choice == "triton" else "cpp"
 
 
+TRITON_MISSING = ("the Triton backend (CUDA tensors, or CPU tensors with SELECTIVE_CKPT_BACKEND=triton) needs "
+                  "the triton package, which is not installed: pip install 'selective_ckpt[triton]'")
+
+
 def _triton_module(op_family):
-    return importlib.import_module(f"{__package__}.triton_kernels.{op_family}")
+    # Triton is an optional dependency: it is imported here, on first use, never when the package loads.
+    try:
+        return importlib.import_module(f"{__package__}.triton_kernels.{op_family}")
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name.split(".")[0] != "triton":
+            raise
+        raise ImportError(TRITON_MISSING) from err
 
 
 def _pointer(a):

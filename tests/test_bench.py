@@ -46,6 +46,15 @@ def test_quick_run_prints_the_table_and_writes_csv(quick_run):
         assert len(found) == len(cfg["seqs"]), label
     assert "selective keeps" in proc.stdout and "the SDPA layer under torch checkpoint" in proc.stdout
     assert "Llama selective keeps" in proc.stdout and "Llama rows: kv_heads=" in proc.stdout
+    # the header names the CPU and the ISA the C++ kernels picked; --quick says its times are noise, first
+    assert re.search(r"^cpu=.+ cpp_kernels_isa=(avx512|avx2|generic)$", proc.stdout, re.M), proc.stdout[:500]
+    caveat = [i for i, line in enumerate(proc.stdout.splitlines()) if line.startswith("--quick: ")]
+    first_ratio = next(i for i, line in enumerate(proc.stdout.splitlines()) if line.startswith("seq 64: selective"))
+    assert caveat and caveat[0] < first_ratio and "noise" in proc.stdout.splitlines()[caveat[0]]
+    # every ratio column says which row it divides by
+    assert "ratios are to rows of this table at the same seq" in proc.stdout
+    assert "time vs eager" in proc.stdout and "kept vs eager" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].endswith(f" to {out.resolve()}")
     assert {(int(r["seq"]), r["row"]) for r in rows} == {(s, k) for s in cfg["seqs"] for k in cfg["rows"]}
     assert len(rows) == len(cfg["seqs"]) * len(cfg["rows"])
     for r in rows:  # where and when: every row carries the environment
@@ -58,7 +67,12 @@ def test_quick_run_prints_the_table_and_writes_csv(quick_run):
     except ImportError:
         assert "matplotlib is not installed" in proc.stdout
     else:
-        assert (out / "kept_memory.png").stat().st_size > 0 and (out / "step_time.png").stat().st_size > 0
+        for name in ("kept_memory.png", "step_time.png", "tradeoff.png"):
+            assert (out / name).stat().st_size > 0, name
+    for r in rows:
+        assert r["process"] == "main" and r["quick"] == "1" and r["cpp_kernels_isa"] in ("avx512", "avx2", "generic")
+        base = "llama-sdpa@main" if r["row"].startswith("llama") else "sdpa@main"
+        assert r["ratio_base_sdpa"] == base, r
 
 
 def test_quick_run_kept_bytes_match_independent_counts(quick_run):
@@ -121,20 +135,34 @@ def test_quick_run_ratios_and_budget_columns(quick_run):
 
 
 def test_compiled_row_runs_in_its_own_process_with_its_budget(tmp_path):
-    """torch.compile rows: one process per activation_memory_budget, SDPA timed beside them there."""
+    """torch.compile rows: one process per activation_memory_budget, SDPA timed beside them there and
+    printed, the compiled row's time vs sdpa taken to that printed row; progress covers the compiled row."""
     out = tmp_path / "compiled"
     cmd = [sys.executable, "-m", "selective_ckpt.bench", "--device", "cpu", "--hidden", "32", "--heads", "2",
            "--layers", "1", "--batch", "1", "--seq", "16", "--repeats", "2", "--warmup", "1", "--no-plots",
-           "--no-progress", "--rows", "sdpa,sdpa-compile-budget", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+           "--rows", "sdpa,sdpa-compile-budget", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env() | {"PYTHONWARNINGS": "ignore"}, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(out / "results.csv") as f:
-        rows = {r["row"]: r for r in csv.DictReader(f)}
-    compiled = rows["sdpa-compile-budget"]
+        rows = {(r["row"], r["process"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {("sdpa", "main"), ("sdpa-compile-budget", "sdpa-compile-budget"),
+                         ("sdpa", "sdpa-compile-budget")}
+    compiled, beside = rows[("sdpa-compile-budget", "sdpa-compile-budget")], rows[("sdpa", "sdpa-compile-budget")]
     assert float(compiled["activation_memory_budget"]) == 0.5
-    assert 0 < float(compiled["time_vs_sdpa"]) and int(compiled["kept_bytes_per_layer"]) > 0
+    assert compiled["ratio_base_sdpa"] == "sdpa@sdpa-compile-budget"
+    assert float(compiled["time_vs_sdpa"]) == pytest.approx(float(compiled["step_s"]) / float(beside["step_s"]))
+    assert int(compiled["kept_bytes_per_layer"]) > 0
     # a budget of 0.5 may recompute but never keeps more than the eager SDPA layer
-    assert int(compiled["kept_bytes_per_layer"]) <= int(rows["sdpa"]["kept_bytes_per_layer"])
+    assert int(compiled["kept_bytes_per_layer"]) <= int(rows[("sdpa", "main")]["kept_bytes_per_layer"])
+    label = bench.ROW_LABELS["sdpa"] + " (in the sdpa-compile-budget process)"
+    table = proc.stdout.splitlines()
+    compiled_label = re.escape(bench.ROW_LABELS["sdpa-compile-budget"])
+    at = next(i for i, line in enumerate(table) if re.match(rf"16 +{compiled_label}  ", line))
+    assert label in table[at + 1], table[at: at + 2]  # its SDPA row printed right under it
+    assert any(label in line and "time vs sdpa is to that row" in line for line in table)
+    # progress: 1 seq x (ledger, peak, 0 more warm-up, 2 timed) = 4 per row; sdpa here, sdpa + compiled there
+    assert "(own process)" in proc.stderr and "12/12" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_help_documents_every_flag():
@@ -201,6 +229,43 @@ def test_gpu_script_syntax_and_dry_run(tmp_path):
     assert "sweep parser ok" in proc.stdout and "dry-selfcheck   ok" in proc.stdout
     bad = subprocess.run(["bash", str(script), "--bogus"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
+
+
+def test_each_run_gets_its_own_folder_under_the_current_directory(tmp_path, monkeypatch):
+    from selective_ckpt.bench.output import RUNS_DIR, run_dir
+
+    monkeypatch.chdir(tmp_path)
+    first, second = run_dir(None, "quick"), run_dir(None, "quick")
+    assert first != second and first.parent == second.parent == tmp_path / RUNS_DIR
+    assert first.is_dir() and second.is_dir() and first.name.endswith("-quick")
+    assert run_dir(tmp_path / "given", "quick") == tmp_path / "given" and (tmp_path / "given").is_dir()
+
+
+def test_load_watch_warns_only_when_other_work_shared_the_cpus():
+    from selective_ckpt.bench.output import LoadWatch
+
+    watch = LoadWatch()
+    assert watch.warning() is None and watch.peak is None  # nothing sampled
+    watch.samples = [watch.cpus * 0.5, watch.cpus + 0.4]
+    assert watch.warning() is None
+    watch.samples.append(watch.cpus + 3)
+    text = watch.warning()
+    assert text.startswith("warning: the machine was busy") and f"{watch.cpus + 3:.1f}" in text
+    watch.sample()
+    assert len(watch.samples) == 4 and watch.samples[-1] >= 0
+
+
+@pytest.mark.parametrize("module", ["attention", "attention_gpu", "mlp", "profile_step", "hf"])
+def test_benchmarks_run_as_package_modules_from_anywhere(module, tmp_path):
+    """The standalone benchmarks are modules of the package: no sys.path edits, no checkout needed."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-m", f"selective_ckpt.bench.{module}", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage:"), proc.stdout[:200]
+    source = Path(bench.__file__).with_name(f"{module}.py").read_text()
+    assert "sys.path" not in source
+    assert not list((ROOT / "bench").glob("*.py")), "benchmark code lives in selective_ckpt/bench/"
 
 
 def test_progress_falls_back_to_plain_lines(monkeypatch, capsys):

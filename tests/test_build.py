@@ -76,3 +76,37 @@ def test_inplace_build_for_an_offline_machine(tmp_path):
     init, kernels, source_hash = out.stdout.split()
     assert init.startswith(str(repo)) and kernels.startswith(str(repo)), out.stdout
     assert source_hash == selective_ckpt.backend._C.SOURCE_HASH
+
+
+def test_package_imports_and_runs_on_cpu_without_triton(tmp_path):
+    """Triton is the [triton] extra: with it unimportable every module outside triton_kernels imports,
+    the C++ kernels run, and asking for the Triton backend is an ImportError naming the extra."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import importlib, os, pkgutil, sys\n"
+        "class NoTriton:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'triton':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoTriton())\n"
+        "import torch, selective_ckpt\n"
+        "names = [m.name for m in pkgutil.walk_packages(selective_ckpt.__path__, 'selective_ckpt.')\n"
+        "         if not m.name.startswith('selective_ckpt.triton_kernels.') and not m.name.endswith('__main__')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "assert 'triton' not in sys.modules\n"
+        "x = torch.randn(4, 8)\n"
+        "assert torch.equal(selective_ckpt.dropout(x, 0.0), x)\n"
+        "os.environ['SELECTIVE_CKPT_BACKEND'] = 'triton'\n"
+        "try:\n"
+        "    selective_ckpt.dropout(x, 0.1)\n"
+        "except ImportError as err:\n"
+        "    print('refused:', err)\n"
+        "print(len(names), 'modules')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("SELECTIVE_CKPT_BACKEND", "TRITON_INTERPRET")}
+    out = subprocess.run([sys.executable, str(probe)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused:" in out.stdout and "pip install 'selective_ckpt[triton]'" in out.stdout, out.stdout
+    assert int(out.stdout.split()[-2]) >= 30, out.stdout

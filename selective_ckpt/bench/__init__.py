@@ -6,20 +6,21 @@ plus a Llama-style layer two ways.
     python -m selective_ckpt.bench --device cuda   # 7B layer: h=4096, a=32, bf16, seq 2048/4096/8192
 
 Rows, measured in the same run on the same input:
-  eager            the seeds' layer: pre-LN, nn.MultiheadAttention with its default arguments, GELU MLP
+  eager            the reference eager layer: pre-LN, nn.MultiheadAttention with its default arguments, GELU MLP
   eager-ckpt       that layer under torch.utils.checkpoint(use_reentrant=False), per layer
   eager-sac        that layer under PyTorch's selective checkpoint policy saving matmul outputs
   sdpa             the same layer as users write it today: nn modules around scaled_dot_product_attention
   sdpa-ckpt        that layer under torch.utils.checkpoint(use_reentrant=False), per layer
   sdpa-compile     that layer stack under torch.compile (default settings)
   sdpa-compile-budget   the same with torch._functorch.config.activation_memory_budget = 0.5
-                   (each compiled row runs in a process of its own, with the sdpa row timed beside it
-                   there for its "vs sdpa" ratio; --quick skips them)
+                   (each compiled row runs in a process of its own, with an SDPA layer timed beside it
+                   there and printed under it, "SDPA layer (in the ... process)": the compiled row's
+                   "time vs sdpa" is to that row; --quick skips them)
   none / selective / full   SelectiveDecoderLayer with that recompute mode
   llama-sdpa       a Llama-style layer (same hidden size and heads, kv heads = heads / 4, RMSNorm,
                    RoPE, SwiGLU of width 3.5 h, no biases) on nn modules and SDPA (enable_gqa)
-  llama-selective  SelectiveDecoderLayer of that shape, selective; its "vs eager" and "vs sdpa"
-                   ratios are to llama-sdpa. Where the attention kernels do not take grouped k/v
+  llama-selective  SelectiveDecoderLayer of that shape, selective; its "kept/time vs eager" and
+                   "time vs sdpa" ratios are to llama-sdpa. Where the attention kernels do not take grouped k/v
                    yet, both Llama rows run with kv heads = heads (the header says so)
 
 Columns:
@@ -30,16 +31,18 @@ Columns:
                CPU: memory.cpu_peak_bytes, the running sum of the profiler's allocation events.
   step         median wall time of a forward+backward step over --repeats runs (rows interleaved
                run by run, so load drift on a shared machine hits all rows alike), its 20th-80th
-               percentile spread, and its ratio to eager, to the SDPA layer and to "none"; "min ms" is
-               the fastest run, the least disturbed one
+               percentile spread, and its ratios ("time vs ...") to the eager row, to the SDPA layer row
+               and to the "none" row of the same length (the legend under the table names each base);
+               "min ms" is the fastest run, the least disturbed one
   max batch    largest batch of a --model-layers model that fits --budget, projected linearly from
                this run: weights + grads (2 * params) + b * ((L - N) * kept/layer + step peak
                above grads) / B, where N is the measured stack's depth and B its batch
-Output: the table on stdout, results.csv (with the machine, versions and a timestamp on every row) and,
-with matplotlib, kept_memory.png, step_time.png and tradeoff.png (kept bytes against step time) in --out.
+Output: a header with the CPU model and the ISA the C++ kernels run, the table on stdout, results.csv
+(with the machine, versions, the peak load average and a timestamp on every row) and, with matplotlib,
+kept_memory.png, step_time.png (p20-p80 bars) and tradeoff.png (kept bytes against step time) in the
+run's own folder: --out, or ./bench-runs/<UTC time>-<config>, printed at the end. A warning follows
+the table when the load average shows other work on the CPUs while the rows were timed.
 """
-
-from pathlib import Path
 
 from .config import (
     COMPILED_ROWS,
@@ -55,7 +58,8 @@ from .config import (
     parse_budget,
     resolve_config,
 )
-from .report import describe, format_table, summary, write_csv, write_plots
+from .output import LoadWatch, run_dir
+from .report import QUICK_CAVEAT, describe, format_table, summary, write_csv, write_plots
 from .runner import Progress, Step, build_stack, measure_peak, run, sync
 
 __all__ = ["COMPILED_ROWS", "CONFIGS", "CPU_BUDGET", "LLAMA_FFN_RATIO", "LLAMA_KV_RATIO", "MODEL_LAYERS", "Progress",
@@ -67,21 +71,26 @@ __all__ = ["COMPILED_ROWS", "CONFIGS", "CPU_BUDGET", "LLAMA_FFN_RATIO", "LLAMA_K
 def main(argv=None):
     args = build_parser().parse_args(argv)
     cfg = resolve_config(args)
-    cfg["seed"] = args.seed
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    cfg["seed"], cfg["quick"] = args.seed, args.quick
+    out = run_dir(args.out, "quick" if args.quick else cfg["device"])
     print(describe(cfg), flush=True)
-    results = run(cfg, progress=not args.no_progress)
+    if args.quick:
+        print(QUICK_CAVEAT, flush=True)
+    watch = LoadWatch()
+    results = run(cfg, progress=not args.no_progress, watch=watch)
+    cfg["load_avg_peak"] = "" if watch.peak is None else round(watch.peak, 2)
     print(format_table(results, cfg))
-    text = summary(results)
+    text = summary(results, quick=args.quick)
     if text:
         print(text)
+    busy = watch.warning()
+    if busy:
+        print(busy)
     write_csv(results, cfg, out / "results.csv")
-    print(f"wrote {out / 'results.csv'}")
     if not args.no_plots:
         paths = write_plots(results, cfg, out)
         if paths is None:
             print("matplotlib is not installed: skipped the plots (pip install matplotlib, or selective_ckpt[bench])")
-        else:
-            print("wrote " + ", ".join(map(str, paths)))
+    names = ["results.csv"] + ([] if args.no_plots or paths is None else [p.name for p in paths])
+    print(f"wrote {', '.join(names)} to {out.resolve()}")
     return results

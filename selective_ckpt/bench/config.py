@@ -111,7 +111,7 @@ def _epilog():
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m selective_ckpt.bench",
-        description="Activation memory (saved-tensor ledger), step peak memory and step time of the seeds'\n"
+        description="Activation memory (saved-tensor ledger), step peak memory and step time of the reference\n"
                     "eager decoder layer (plain, under torch checkpoint, under selective checkpointing of matmuls)\n"
                     "and of SelectiveDecoderLayer (recompute none / selective / full). Defaults depend on --device:\n"
                     "cpu h=512 a=8, 2 layers, B=2, seq 256,512,1024, fp32, 5 timed steps after 1 warm-up;\n"
@@ -143,7 +143,9 @@ def build_parser():
                    help="memory budget for the max-batch column: bytes (8GiB, 80GB, 12e9) or a percentage of the "
                         f"device's memory (default: 80%% on cuda, {CPU_BUDGET // 2**30}GiB on cpu)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal attention")
-    p.add_argument("--out", default="bench/out", help="folder for results.csv and the PNG plots")
+    p.add_argument("--out", default=None,
+                   help="folder for results.csv and the PNG plots (default: a new folder per run, "
+                        "./bench-runs/<UTC time>-<cpu|cuda|quick>, printed at the end)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines on stderr")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed for weights and inputs")

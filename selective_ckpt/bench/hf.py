@@ -23,13 +23,13 @@ import csv
 import gc
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from .. import memory
 from ..models import convert
 from ..models.hf import converted_layers
+from .output import run_dir
 from .runner import _spread
 
 ROWS = ("sdpa", "hf-ckpt", "selective")
@@ -57,15 +57,20 @@ def build_model(kind, row, cfg, layers=None):
         model = LlamaForCausalLM(config)
     elif kind == "gpt2":
         p = cfg["dropout"]
+        # bos/eos inside the small vocabulary (GPT-2's 50256 is outside it, and transformers warns)
         config = GPT2Config(vocab_size=cfg["vocab"], n_embd=cfg["hidden"], n_layer=n, n_head=cfg["heads"],
-                            n_positions=seq, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False)
+                            n_positions=seq, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False,
+                            bos_token_id=cfg["vocab"] - 1, eos_token_id=cfg["vocab"] - 1)
         model = GPT2LMHeadModel(config)
     else:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {kind!r}")
     model.config._attn_implementation = "sdpa"
     model.train()
     if row == "hf-ckpt":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # the name gradient_checkpointing_enable warns there
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif row == "selective":
         convert(model)
     elif row != "sdpa":
@@ -178,7 +183,8 @@ def build_parser():
     ap.add_argument("--batch", type=int)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--dropout", type=float, default=0.0, help="attention (Llama) / all (GPT-2) dropout rates")
-    ap.add_argument("--out", default="bench_hf_results", help="folder for results.csv")
+    ap.add_argument("--out", default=None, help="folder for results.csv (default: a new folder per run, "
+                                                   "./bench-runs/<UTC time>-hf[-quick], printed at the end)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -197,10 +203,9 @@ def main(argv=None):
           flush=True)
     results = measure(cfg, args.models, progress=not args.no_progress)
     print(format_table(results, cfg))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = run_dir(args.out, "hf-quick" if args.quick else "hf")
     write_csv(results, out / "results.csv")
-    print(f"wrote {out / 'results.csv'}")
+    print(f"wrote results.csv to {out.resolve()}")
     return results
 
 

@@ -5,6 +5,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -110,11 +111,17 @@ def _time_once(step, device):
     return time.perf_counter() - t0
 
 
+PROGRESS_TAG = "@progress "  # a compiled row's process reports each update on stderr behind this tag
+
+
 class Progress:
-    def __init__(self, total, enabled):
-        self.total, self.done, self.enabled = total, 0, enabled
+    """A bar (tqdm) or plain "[done/total] what" lines on stderr; `relay=True` prints tagged lines for
+    the parent process instead (a compiled row's process), which feeds them into its own bar."""
+
+    def __init__(self, total, enabled, relay=False):
+        self.total, self.done, self.enabled, self.relay = total, 0, enabled, relay
         self.bar = None
-        if enabled:
+        if enabled and not relay:
             try:
                 from tqdm import tqdm
 
@@ -124,7 +131,9 @@ class Progress:
 
     def update(self, what, n=1):
         self.done += n
-        if self.bar is not None:
+        if self.relay:
+            print(f"{PROGRESS_TAG}{n} {what}", file=sys.stderr, flush=True)
+        elif self.bar is not None:
             self.bar.set_description(what, refresh=False)
             self.bar.update(n)
         elif self.enabled:
@@ -133,6 +142,17 @@ class Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def progress_steps(cfg, n_rows):
+    """Progress updates `measure` makes for n_rows rows over all sequence lengths."""
+    return len(cfg["seqs"]) * n_rows * (2 + _warm_steps(cfg) + cfg["repeats"])
+
+
+def _warm_steps(cfg):
+    # CPU: the profiled step doubles as the first warm-up step. CUDA: peak after warm-up, so one-off
+    # allocations (Triton compilation, cuBLAS workspaces) stay out of it.
+    return max(0, cfg["warmup"] - 1) if cfg["device"] == "cpu" else cfg["warmup"]
 
 
 def param_bytes(model):
@@ -145,12 +165,11 @@ def _spread(times):
     return statistics.median(times), min(times), q[0], q[3]
 
 
-def measure(cfg, rows, prog):
-    """Ledger, peak and interleaved step times of `rows` (built in this process) at every sequence length."""
+def measure(cfg, rows, prog, watch=None):
+    """Ledger, peak and interleaved step times of `rows` (built in this process) at every sequence length;
+    `watch` (output.LoadWatch) samples the load average once per timing round."""
     device, n = cfg["device"], cfg["layers"]
-    # CPU: the profiled step doubles as the first warm-up step. CUDA: peak after warm-up, so one-off
-    # allocations (Triton compilation, cuBLAS workspaces) stay out of it.
-    warm = max(0, cfg["warmup"] - 1) if device == "cpu" else cfg["warmup"]
+    warm = _warm_steps(cfg)
     results = []
     for seq in cfg["seqs"]:
         torch.manual_seed(cfg.get("seed", 0))
@@ -183,6 +202,8 @@ def measure(cfg, rows, prog):
             for row in rows:
                 times[row].append(_time_once(steps[row], device))
                 prog.update(f"s={seq} {row}: timing")
+            if watch is not None:
+                watch.sample()
         for row in rows:
             r = res[row]
             r["step_s"], r["step_s_min"], r["step_s_p20"], r["step_s_p80"] = _spread(times[row])
@@ -191,54 +212,79 @@ def measure(cfg, rows, prog):
     return results
 
 
-def _measure_compiled(cfg, row):
-    """One torch.compile row in its own process, with the plain SDPA row timed beside it there."""
+def _measure_compiled(cfg, row, prog):
+    """One torch.compile row in its own process, with the plain SDPA row timed beside it there; its
+    progress lines feed `prog`. Returns its results: the compiled row's and that process's SDPA row's,
+    both marked with "process": row."""
     spec = {k: v for k, v in cfg.items() if k != "rows"}
     spec["dtype"] = str(cfg["dtype"]).replace("torch.", "")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "selective_ckpt.bench.compiled", row, json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        stdout = []
+        reader = threading.Thread(target=lambda: stdout.append(proc.stdout.read()), daemon=True)
+        reader.start()
+        errors = []
+        for line in proc.stderr:
+            if line.startswith(PROGRESS_TAG):
+                n, what = line[len(PROGRESS_TAG):].rstrip("\n").split(" ", 1)
+                prog.update(f"{row} (own process) {what}", int(n))
+            else:
+                errors.append(line)
+        proc.wait()
+        reader.join()
     if proc.returncode != 0:
-        raise RuntimeError(f"the {row} row failed in its process:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"the {row} row failed in its process:\n{''.join(errors)[-4000:]}")
+    return json.loads("".join(stdout).strip().splitlines()[-1])
 
 
-def run(cfg, progress=True):
-    """Measure every row at every sequence length; returns a list of result dicts."""
+def run(cfg, progress=True, watch=None):
+    """Measure every row at every sequence length; returns a list of result dicts. Compiled rows bring
+    the SDPA row of their own process along ("process": the compiled row; in-process rows: "main")."""
     rows = cfg["rows"]
     local = [r for r in rows if r not in COMPILED_ROWS]
     compiled = [r for r in rows if r in COMPILED_ROWS]
-    warm = max(0, cfg["warmup"] - 1) if cfg["device"] == "cpu" else cfg["warmup"]
-    prog = Progress(len(cfg["seqs"]) * len(local) * (2 + warm + cfg["repeats"]) + len(compiled), progress)
+    prog = Progress(progress_steps(cfg, len(local)) + len(compiled) * progress_steps(cfg, 2), progress)
     try:
-        results = measure(cfg, local, prog) if local else []
+        results = measure(cfg, local, prog, watch) if local else []
+        for r in results:
+            r["process"] = "main"
         for row in compiled:
-            prog.update(f"{row}: own process (compiles per sequence length)", 0)
-            results += _measure_compiled(cfg, row)
-            prog.update(f"{row}: done")
+            if watch is not None:
+                watch.sample()
+            results += _measure_compiled(cfg, row, prog)
+            if watch is not None:
+                watch.sample()
     finally:
         prog.close()
     order = {r: i for i, r in enumerate(rows)}
-    results.sort(key=lambda r: (cfg["seqs"].index(r["seq"]), order[r["row"]]))
+    # a compiled row's own SDPA row follows it
+    results.sort(key=lambda r: (cfg["seqs"].index(r["seq"]), order[r["process"] if r["process"] != "main" else
+                                                                   r["row"]], r["row"] == "sdpa"))
     _derive(results, cfg)
     return results
 
 
 def _derive(results, cfg):
-    """Ratios and the projected max batch / model memory columns."""
-    by = {(r["seq"], r["row"]): r for r in results}
+    """Ratios and the projected max batch / model memory columns. Every ratio is to a row of the table:
+    kept and time vs eager, time vs none to the main process's rows of the same length; time vs sdpa to
+    the SDPA row timed in the same process (a compiled row's own one); the Llama rows' ratios to the
+    Llama SDPA layer. The ratio_base_* fields name the row and process each ratio used."""
+    by = {(r["seq"], r["row"], r["process"]): r for r in results}
     L, n, B = cfg["model_layers"], cfg["layers"], cfg["batch"]
     for r in results:
-        eager, none = by.get((r["seq"], "eager")), by.get((r["seq"], "none"))
-        sdpa = by.get((r["seq"], "sdpa"))
+        seq = r["seq"]
+        eager, none = by.get((seq, "eager", "main")), by.get((seq, "none", "main"))
+        sdpa = by.get((seq, "sdpa", r["process"]))
         if r["row"].startswith("llama"):  # the Llama rows' baseline is the Llama layer on SDPA
-            eager = sdpa = by.get((r["seq"], "llama-sdpa"))
+            eager = sdpa = by.get((seq, "llama-sdpa", "main"))
             none = None
         r["kept_vs_eager"] = r["kept_bytes_per_layer"] / eager["kept_bytes_per_layer"] if eager else None
         r["time_vs_eager"] = r["step_s"] / eager["step_s"] if eager else None
         r["time_vs_none"] = r["step_s"] / none["step_s"] if none else None
-        if "time_vs_sdpa" not in r:  # compiled rows bring theirs, measured beside SDPA in their own process
-            r["time_vs_sdpa"] = r["step_s"] / sdpa["step_s"] if sdpa else None
+        r["time_vs_sdpa"] = r["step_s"] / sdpa["step_s"] if sdpa else None
+        r["ratio_base_eager"] = f"{eager['row']}@{eager['process']}" if eager else ""
+        r["ratio_base_sdpa"] = f"{sdpa['row']}@{sdpa['process']}" if sdpa else ""
         P = r["param_bytes_per_layer"]
         r["model_kept_bytes"] = L * r["kept_bytes_per_layer"]
         work = max(0, r["peak_bytes"] - n * P)  # the step's peak above the gradients it allocates

@@ -1,7 +1,7 @@
 """Where one training step of a SelectiveDecoderLayer spends its time, by op family (torch.profiler).
 
-    python bench/profile_step.py                       # B=2, S=2048, h=512, a=8, fp32, causal, selective
-    python bench/profile_step.py --seq 1024 --mode none --llama
+    python -m selective_ckpt.bench.profile_step                       # B=2, S=2048, h=512, a=8, fp32, causal, selective
+    python -m selective_ckpt.bench.profile_step --seq 1024 --mode none --llama
 
 Self CPU time of every op of one forward+backward (after warm-up steps), summed into families:
 matmuls (mm/addmm/bmm), attention forward and backward (our custom ops), norms (LayerNorm/RMSNorm

@@ -7,7 +7,7 @@ allocates on top of inputs and parameters, with ratios against eager and against
 Peak memory: on CUDA the caching allocator's peak; on CPU selective_ckpt.memory.cpu_peak_bytes,
 the running sum of the profiler's allocation events (buffers inside custom ops included).
 
-    python bench/mlp.py --tokens 2048 --d-in 512 --hidden 2048
+    python -m selective_ckpt.bench.mlp --tokens 2048 --d-in 512 --hidden 2048
 """
 
 import argparse
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from selective_ckpt import gelu_mlp, memory
-from selective_ckpt.bench import sync
+from selective_ckpt.bench.runner import sync
 
 
 def make_eager(d_in, hidden, p, approximate, dtype, device):

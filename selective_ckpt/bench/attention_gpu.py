@@ -7,7 +7,7 @@ Shapes: bf16, B*S = 16384 tokens and H*D = 2048 at every point; S 1024..8192, D 
 causal and not, dropout 0 and 0.1. FLOPs: forward 4*B*H*S*S*D (halved when causal); dK/dV does
 two forward's worth (four matmuls), dQ one and a half (three); SDPA's backward 2.5 forwards.
 
-    python bench/attention_gpu.py --out DIR [--quick] [--dry-run]
+    python -m selective_ckpt.bench.attention_gpu --out DIR [--quick] [--dry-run]
 
 Writes DIR/attention_gpu.csv (one row per point and implementation) and DIR/layer_7b.csv; prints
 a short table last. --dry-run checks arguments and prints the plan without touching a GPU.
@@ -17,11 +17,10 @@ import argparse
 import csv
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from .output import run_dir
 
 FIELDS = ["seq", "dim", "heads", "batch", "causal", "dropout", "impl", "kernel", "ms", "tflops", "pct_matmul",
           "max_mem_mib"]
@@ -46,10 +45,9 @@ def matmul_tflops(do_bench):
 
 def ours(S, D, causal, p, do_bench):
     """{kernel: ms} for the four Triton kernels at one point, and the point's peak memory."""
+    from selective_ckpt import rng
     from selective_ckpt.triton_kernels import attention as tk
     from selective_ckpt.triton_kernels.philox import seed_tensor
-
-    from selective_ckpt import rng
 
     B, H = 16384 // S, 2048 // D
     qkv = torch.randn(B, S, 3, H, D, device="cuda", dtype=torch.bfloat16)
@@ -118,14 +116,15 @@ def layer_7b(seq, dropout, repeats=10):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/out", help="folder for the CSVs")
+    ap.add_argument("--out", default=None, help="folder for the CSVs (default: a new folder per run, "
+                                                "./bench-runs/<UTC time>-attention-gpu)")
     ap.add_argument("--quick", action="store_true", help="S 1024 and 4096 only")
     ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU needed")
     args = ap.parse_args(argv)
     points = list(plan(args.quick))
     if args.dry_run:
         print(f"[dry-run] {len(points)} points x (4 Triton kernels + SDPA flash/cudnn fwd, bwd); 7B layer "
-              f"seq 2048/4096 dropout 0/0.1; CSVs under {args.out}")
+              f"seq 2048/4096 dropout 0/0.1; CSVs under {args.out or './bench-runs/<UTC time>-attention-gpu'}")
         return 0
     import triton
     from triton.testing import do_bench
@@ -133,8 +132,8 @@ def main(argv=None):
     def bench(fn):
         return do_bench(fn, warmup=10, rep=40)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = run_dir(args.out, "attention-gpu")
+    print(f"writing to {out.resolve()}", flush=True)
     peak = matmul_tflops(do_bench)
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s on {torch.cuda.get_device_name()} (triton {triton.__version__})",
           flush=True)

@@ -7,7 +7,7 @@ CPU memory comes from the profiler's allocation events (every allocation, inside
 CUDA memory from the caching allocator's counters. On CUDA TFLOP/s use 4*B*H*Sq*Sk*D for the
 forward (halved when causal) and 2.5 times that for the backward.
 
-    python bench/attention.py --batch 2 --heads 8 --seq 512 --dim 64
+    python -m selective_ckpt.bench.attention --batch 2 --heads 8 --seq 512 --dim 64
 
 `--table` runs the CPU comparison instead: our fwd+bwd against SDPA's, interleaved round by round
 in one process (fp32 causal B=2 H=8 D=64 at S 512-4096, bf16 at 2048), medians with p20/p80, and
@@ -17,18 +17,14 @@ in one process (fp32 causal B=2 H=8 D=64 at S 512-4096, bf16 at 2048), medians w
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import selective_ckpt  # noqa: E402
-from selective_ckpt import backend, memory  # noqa: E402
-from selective_ckpt.bench import sync  # noqa: E402
+import selective_ckpt
+from selective_ckpt import backend, memory
+from selective_ckpt.bench.runner import sync
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
