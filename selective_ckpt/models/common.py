@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import logging
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -45,6 +46,7 @@ class ConvertedLayerState:
         self.name = name or type(layer).__name__
         self.checked = None  # module count when the adapters were last checked (models/peft.py)
         self.warned = False
+        self.modes = None  # the model's ModeAnnouncement, shared by its layers
 
     def watch_casts(self):
         """Whether the layer's forward casts between dtypes (autocast, or parameters of several dtypes:
@@ -116,6 +118,8 @@ def _decoder_layer_forward(self, *args, **kwargs):
     if grad and self.training:
         from .peft import check_layer
         check_layer(self, state.name, state)
+        if state.modes is not None:
+            state.modes.announce()
     caches = []
     if grad:
         from transformers.cache_utils import Cache
@@ -130,6 +134,43 @@ def _decoder_layer_forward(self, *args, **kwargs):
     selective = mode == "selective" and grad
     with recompute.scope(selective, watch_casts=selective and state.watch_casts()), _attention_reads_own_kv(caches):
         return getattr(self, PATCHED)(*args, **kwargs)
+
+
+class ModeAnnouncement:
+    """Says once, at a model's first training step, which recompute mode its layers run.
+
+    Gradient checkpointing switched on after convert (TRL's SFTConfig does so by default, as does
+    Trainer with gradient_checkpointing=True) turns converted layers "full", which costs a second
+    forward; that is a warning naming the way back. Otherwise one info line on the selective_ckpt logger.
+    """
+
+    def __init__(self, states):
+        self.states, self.done = states, False
+
+    def announce(self):
+        if self.done:
+            return
+        self.done = True
+        counts = {}
+        for s in self.states:
+            counts[s.recompute] = counts.get(s.recompute, 0) + 1
+        said = ", ".join(f'{n} "{m}"' for m, n in sorted(counts.items()))
+        log = logging.getLogger("selective_ckpt")
+        if counts.get("full"):
+            log.warning(f"selective_ckpt: decoder layers run {said}: \"full\" re-runs a layer's forward in "
+                        "backward (gradient checkpointing is on). For selective recompute at no such cost, train "
+                        "with gradient_checkpointing=False (TRL's SFTConfig turns it on by default); for a "
+                        "budget, selective_ckpt.set_recompute(model, plan) or transformers' "
+                        "activation_checkpointing_kwargs={'every_n_layers': k}")
+        else:
+            log.info(f"selective_ckpt: decoder layers run {said}")
+
+
+def announce_modes(layers):
+    """Gives the converted `layers` of one model one shared ModeAnnouncement."""
+    modes = ModeAnnouncement([getattr(layer, STATE) for layer in layers])
+    for state in modes.states:
+        state.modes = modes
 
 
 def convert_decoder_layer(layer, mode, shape_of=None, name=None):

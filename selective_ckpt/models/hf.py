@@ -18,7 +18,7 @@ from torch import nn
 from ..activations import elementwise_problem, kernel_activation
 from ..registry import recomputable_layers
 from . import attention, loss_head
-from .common import ConversionError, convert_decoder_layer
+from .common import ConversionError, announce_modes, convert_decoder_layer
 from .patches import (
     dropout_forward,
     gelu_mlp_forward_factory,
@@ -228,6 +228,7 @@ def apply(root, layers, patches, mode, spec):
     for layer in layers:
         convert_decoder_layer(layer, mode, functools.partial(spec.shape, config=root.config, spec=spec),
                               names.get(id(layer)))
+    announce_modes(layers)
     loss_head.install(root)
 
 
