@@ -17,6 +17,7 @@ from torch import nn
 
 from ..activations import elementwise_problem, kernel_activation
 from ..registry import recomputable_layers
+from ..validation import NORMS
 from . import attention, loss_head
 from .common import ConversionError, announce_modes, convert_decoder_layer
 from .patches import (
@@ -29,7 +30,6 @@ from .patches import (
 )
 
 ROLES = ("norm", "attention", "mlp")
-NORMS = ("rmsnorm", "layernorm")
 MLP_LAYOUTS = ("gate_up", "fc")  # separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc)
 GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.swiglu_mlp_forward reads
 # Residual forms the driver converts. Patching leaves the layer's own forward in place, so any form
