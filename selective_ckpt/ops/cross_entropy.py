@@ -172,7 +172,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad.device.type != "cpu" or grad.item() != 1.0:  # skipped on CPU only: no host sync on GPU
                 for g in (dx, dw, db):
                     if g is not None:
-                        g.mul_(grad.to(g.dtype))
+                        g.mul_(grad)  # a 0-dim float32 factor: applied in float32, rounded once
         return dx, dw, db, None, None, None, None, None, None
 
 
@@ -262,6 +262,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     labels = check_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing,
                                       softcap, num_items_in_batch, chunk_bytes)
     hidden, weight, bias = _autocast_operands(hidden, weight, bias)
+    hidden = hidden.contiguous()  # dhidden is written row block by row block
     n_tokens, h = hidden.shape
     rows = chunk_rows(n_tokens, weight.shape[0], h, hidden.element_size(), chunk_bytes)
     tracked = torch.is_grad_enabled()
