@@ -58,6 +58,7 @@ def check_case(x, w, b, y, chunk_bytes=None, **kw):
     gen = torch.Generator().manual_seed(7)
     g64 = torch.randn(loss.shape, generator=gen, dtype=torch.float64) if loss.dim() else torch.tensor(1.7,
                                                                                                       dtype=torch.float64)
+    g64 = g64.to(loss.device)
     inputs = [(t, e, r) for t, e, r in zip(ours_in, eager_in, ref_in) if t is not None]
     ours = torch.autograd.grad(loss, [t for t, _, _ in inputs], g64.float())
     eager = torch.autograd.grad(loss_eager, [e for _, e, _ in inputs], g64.float())
@@ -90,6 +91,16 @@ def test_smoothing_and_softcap(backend, dtype, smoothing, softcap, reduction):
     x, w, b, y = make(29, 16, 41, dtype, True, seed=1)
     check_case(x, w, b, y, chunk_bytes=7 * 41 * x.element_size(), reduction=reduction, label_smoothing=smoothing,
                softcap=softcap)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cuda_matches_float64(dtype, reduction):
+    """The compiled Triton kernel on a GPU: several chunks, a ragged last one, smoothing and a cap."""
+    x, w, b, y = make(257, 64, 1000, dtype, True, seed=11)
+    check_case(*(t.cuda() for t in (x, w, b, y)), chunk_bytes=64 * 1000 * x.element_size(), reduction=reduction,
+               label_smoothing=0.1, softcap=30.0)
 
 
 @pytest.mark.parametrize("num_items", [23, "tensor"])
