@@ -1,4 +1,5 @@
-"""Fine-tune a tiny Llama with PEFT LoRA under Hugging Face's Trainer, with and without selective_ckpt, on CPU.
+"""Fine-tune a tiny Llama with PEFT LoRA (or QLoRA) under Hugging Face's Trainer with bf16=True, with and
+without selective_ckpt, on CPU.
 
 The model is built from a config in code (nothing is downloaded) and reads bytes (vocabulary 256)
 of text the repository carries: the Zen of Python and README.md. The same run is made twice from
@@ -6,11 +7,16 @@ the same seeds: once as transformers builds it (SDPA attention), once converted 
 
     model = selective_ckpt.convert(model)
 
-It prints both loss curves and the activation bytes each decoder layer keeps for backward
-(profiler allocation deltas of one training forward, all layers minus one layer), next to the
-floor memory.estimate gives for the layer's shape.
+It trains as people fine-tune: fp32 weights under Trainer's `bf16=True` (autocast), LoRA with
+lora_dropout=0.05 on every Linear; `--qlora` loads the base in 4-bit NF4 (bitsandbytes, which runs
+on CPU) after peft's prepare_model_for_kbit_training. It prints both loss curves and the activation
+bytes each decoder layer keeps for backward (profiler allocation deltas of one training forward
+under the same autocast, all layers minus one layer), next to the floor for the layer in that
+configuration (models.configuration.layer_estimate: its shape, dtypes and LoRA rank terms).
 
     python examples/finetune_llama_lora.py               # 40 steps each
+    python examples/finetune_llama_lora.py --qlora       # 4-bit base (needs the [hf] extra's bitsandbytes)
+    python examples/finetune_llama_lora.py --fp32        # no autocast
     python examples/finetune_llama_lora.py --steps 3     # a quick check
 """
 
@@ -68,11 +74,30 @@ def build(args, converted):
                          num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq, use_cache=False,
                          attn_implementation="sdpa")
     model = LlamaForCausalLM(config)
+    if args.qlora:
+        model = quantized(model)
     if converted:
         model = selective_ckpt.convert(model)  # the one line
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
-                      modules_to_save=["embed_tokens", "lm_head"], task_type="CAUSAL_LM")
+    torch.manual_seed(args.seed + 1)
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=args.lora_dropout, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
     return get_peft_model(model, lora)
+
+
+def quantized(model):
+    """The model reloaded with a 4-bit NF4 base (bf16 compute) and prepared for k-bit training (fp32 norms)."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as path:
+        model.save_pretrained(path)
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+        model = LlamaForCausalLM.from_pretrained(path, quantization_config=q, attn_implementation="sdpa")
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def autocast(args):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -87,18 +112,23 @@ def _layers_run(model, n):
         config.num_hidden_layers = saved
 
 
-def kept_bytes_per_layer(model, batch):
+def kept_bytes_per_layer(model, batch, args):
     """Bytes one decoder layer keeps alive for backward after a training forward: (all layers - one) / (L - 1)."""
     layers = model.get_base_model().config.num_hidden_layers
     kept = []
     model.train()
+    with autocast(args):  # first calls change state once (bnb casts biases, lazy buffers): not measured
+        model(**batch)
     for n in (1, layers):
         with _layers_run(model, n):
             held = []
             gc.collect()
             gc.disable()
             try:
-                deltas = memory.cpu_allocation_deltas(lambda h=held: h.append(model(**batch).loss))
+                def forward(h=held):
+                    with autocast(args):
+                        h.append(model(**batch).loss)
+                deltas = memory.cpu_allocation_deltas(forward)
             finally:
                 gc.enable()
             kept.append(sum(deltas))
@@ -112,18 +142,24 @@ def train(args, data, converted):
     model = build(args, converted)
     probe = torch.utils.data.default_collate([Chunks(data, args.seq, args.batch, args.seed + 7)[i]
                                               for i in range(args.batch)])
-    per_layer = kept_bytes_per_layer(model, probe)
+    per_layer = kept_bytes_per_layer(model, probe, args)
+    floor = None
+    if converted:
+        from selective_ckpt.models.configuration import layer_estimate
+
+        layer = selective_ckpt.recomputable_layers(model)[-1]
+        floor = layer_estimate(layer, args.seq, args.batch, torch.bfloat16 if args.bf16 else None)
     with tempfile.TemporaryDirectory() as out:
         targs = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch,
                                   learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
                                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                                  dataloader_num_workers=0, seed=args.seed, disable_tqdm=True)
+                                  dataloader_num_workers=0, seed=args.seed, disable_tqdm=True, bf16=args.bf16)
         trainer = Trainer(model=model, args=targs, train_dataset=Chunks(data, args.seq, args.steps * args.batch,
                                                                        args.seed))
         trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     runtime = next(e["train_runtime"] for e in trainer.state.log_history if "train_runtime" in e)
-    return losses, per_layer, runtime
+    return losses, per_layer, runtime, floor
 
 
 def main(argv=None):
@@ -138,38 +174,39 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora-dropout", type=float, default=0.05)
+    ap.add_argument("--qlora", action="store_true", help="4-bit NF4 base after prepare_model_for_kbit_training")
+    ap.add_argument("--fp32", dest="bf16", action="store_false", help="no autocast (Trainer's bf16=False)")
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error("--layers must be at least 2 (bytes per layer are all layers minus one)")
 
     data = load_bytes()
     print(f"text: {len(data)} bytes; Llama: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, "
-          f"{args.heads} heads / {args.kv_heads} kv heads; LoRA r=8 on every Linear; "
-          f"batch {args.batch} x seq {args.seq}")
+          f"{args.heads} heads / {args.kv_heads} kv heads; {'QLoRA (4-bit NF4 base)' if args.qlora else 'LoRA'} "
+          f"r=8, dropout {args.lora_dropout} on every Linear; Trainer bf16={args.bf16}; batch {args.batch} x seq "
+          f"{args.seq}")
     results = {}
     for name, converted in (("transformers (SDPA)", False), ("selective_ckpt", True)):
         print(f"training: {name}", flush=True)
         results[name] = train(args, data, converted)
 
-    floor = memory.estimate(args.hidden, args.heads, args.seq, args.batch, torch.float32, args.ffn / args.hidden,
-                            "selective", num_kv_heads=args.kv_heads, ffn_dim=args.ffn, norm="rmsnorm",
-                            activation="swiglu")
-    adapters = 4 * 8 * 7 * args.batch * args.seq  # LoRA B's fp32 input, r = 8 wide, on 7 Linears per layer
+    floor = results["selective_ckpt"][3]
     print("\nstep  " + "  ".join(f"{n:>20s}" for n in results))
     curves = [r[0] for r in results.values()]
     for step in range(len(curves[0])):
         if step < 5 or step % 10 == 0 or step == len(curves[0]) - 1:
             print(f"{step + 1:4d}  " + "  ".join(f"{c[step]:20.4f}" for c in curves))
     gap = max(abs(a - b) for a, b in zip(*curves))
-    print(f"largest loss difference between the two runs: {gap:.2e} (float32 rounding of different kernels)")
+    print(f"largest loss difference between the two runs: {gap:.2e} (rounding of different kernels; LoRA "
+          "dropout masks differ: ours are drawn by seed)")
     print("\nactivation bytes kept per decoder layer (one training forward):")
-    for name, (_, per_layer, runtime) in results.items():
+    for name, (_, per_layer, runtime, _) in results.items():
         print(f"  {name:20s} {memory.format_bytes(per_layer):>10s}  ({per_layer / (args.batch * args.seq):7.1f} "
               f"B/token)  train {runtime:.1f} s")
     tokens = args.batch * args.seq
-    print(f"  {'floor (estimate)':20s} {memory.format_bytes(floor):>10s}  ({floor / tokens:7.1f} B/token)")
-    print(f"  {'floor + LoRA inputs':20s} {memory.format_bytes(floor + adapters):>10s}  "
-          f"({(floor + adapters) / tokens:7.1f} B/token: each adapter's B keeps its r-wide input)")
+    print(f"  {'floor (estimate)':20s} {memory.format_bytes(floor):>10s}  ({floor / tokens:7.1f} B/token: the "
+          "layer's floor in this configuration, LoRA's rank terms included)")
     return 0
 
 

@@ -42,7 +42,14 @@ class BoundForward:
 
     @property
     def __signature__(self):
-        return inspect.signature(types.MethodType(self.function, self.module))
+        # A pass-through patch (self, *args, **kwargs) takes what the original forward takes: tools that
+        # read the signature (Trainer keeps only the dataset columns forward names) see the original's.
+        sig = inspect.signature(types.MethodType(self.function, self.module))
+        kinds = [p.kind for p in sig.parameters.values()]
+        original = getattr(self.module, "_selective_ckpt_forward", None)
+        if kinds == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD] and original is not None:
+            return inspect.signature(original)
+        return sig
 
     def __repr__(self):
         return f"<patched forward {self.function.__qualname__} of {type(self.module).__name__}>"
