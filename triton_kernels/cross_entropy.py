@@ -33,8 +33,8 @@ def _rows_kernel(z_ptr, row_stride, labels_ptr, scale_ptr, scale_stride, lse_ptr
     offs = tl.arange(0, BLOCK)
     y = tl.load(labels_ptr + row)
     if y == ignore_index:
-        tl.store(lse_ptr + row, tl.zeros([], acc_ty))
-        tl.store(loss_ptr + row, tl.zeros([], acc_ty))
+        tl.store(lse_ptr + row, 0.0)
+        tl.store(loss_ptr + row, 0.0)
         if WRITE_GRAD:
             for start in range(0, V, BLOCK):
                 cols = start + offs

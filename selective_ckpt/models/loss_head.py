@@ -43,7 +43,23 @@ def is_causal_lm(root):
 def install(root):
     """Patches root's forward when it is a causal LM (is_causal_lm); otherwise leaves it as it is."""
     if is_causal_lm(root):
-        patch_forward(root, causal_lm_forward)
+        patch_forward(root, _forward_for(type(root)))
+
+
+_FORWARDS = {}
+
+
+def _forward_for(cls):
+    """causal_lm_forward showing cls.forward's signature: Trainer reads the signature to choose which
+    dataset columns it passes (and whether to pass num_items_in_batch), so it must be the model's."""
+    if cls not in _FORWARDS:
+        def forward(self, *args, **kwargs):
+            return causal_lm_forward(self, *args, **kwargs)
+
+        forward.__signature__ = inspect.signature(cls.forward)
+        forward.__doc__ = causal_lm_forward.__doc__
+        _FORWARDS[cls] = forward
+    return _FORWARDS[cls]
 
 
 def _for_causal_lm_loss():
@@ -62,6 +78,7 @@ def _labels_given(original, args, kwargs):
 
 
 def causal_lm_forward(self, *args, **kwargs):
+    """The causal LM's forward; in training with labels its loss comes from the fused loss head."""
     original = getattr(self, PATCHED)
     if not self.training or not _labels_given(original, args, kwargs) or \
             self.loss_function is not _for_causal_lm_loss():

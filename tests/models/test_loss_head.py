@@ -5,6 +5,7 @@ lm_head and modules_to_save=["lm_head"]; eval mode and labels=None still return 
 classification heads are untouched; nothing of size tokens x vocabulary is kept after forward."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -88,6 +89,8 @@ def test_family_loss_and_gradients(family):
     ids, mask, labels = labelled()
     assert_loss_matches(ref, plain, ours, input_ids=ids, attention_mask=mask, labels=labels)
     assert_same_state(ours, plain)
+    # Trainer picks dataset columns (and num_items_in_batch) from the forward's signature.
+    assert inspect.signature(ours.forward) == inspect.signature(plain.forward)
     # Eval mode and labels=None: logits as transformers gives them.
     for model in (ours, plain):
         model.eval()
