@@ -43,23 +43,7 @@ def is_causal_lm(root):
 def install(root):
     """Patches root's forward when it is a causal LM (is_causal_lm); otherwise leaves it as it is."""
     if is_causal_lm(root):
-        patch_forward(root, _forward_for(type(root)))
-
-
-_FORWARDS = {}
-
-
-def _forward_for(cls):
-    """causal_lm_forward showing cls.forward's signature: Trainer reads the signature to choose which
-    dataset columns it passes (and whether to pass num_items_in_batch), so it must be the model's."""
-    if cls not in _FORWARDS:
-        def forward(self, *args, **kwargs):
-            return causal_lm_forward(self, *args, **kwargs)
-
-        forward.__signature__ = inspect.signature(cls.forward)
-        forward.__doc__ = causal_lm_forward.__doc__
-        _FORWARDS[cls] = forward
-    return _FORWARDS[cls]
+        patch_forward(root, causal_lm_forward)  # shows the model's own signature (pickling.BoundForward)
 
 
 def _for_causal_lm_loss():

@@ -168,7 +168,9 @@ def _grads(model, ids, config, autocast=True):
         out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
-    return out.loss.detach().double(), out.logits.detach().double(), grads
+    with torch.no_grad(), _autocast(config) if autocast else contextlib.nullcontext():
+        logits = model(input_ids=ids).logits  # a converted causal LM's training loss leaves logits=None
+    return out.loss.detach().double(), logits.double(), grads
 
 
 @pytest.mark.parametrize("config", ("autocast", "autocast-lora", "qlora"))
