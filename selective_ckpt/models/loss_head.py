@@ -121,16 +121,17 @@ class _HeadCapture:
                                "training forward with labels; the fused loss head cannot stand in for it")
         self.hidden = hidden_states
         vocab = self.model.config.vocab_size
-        self.placeholder = hidden_states.new_empty(()).expand(*hidden_states.shape[:-1], vocab)
+        self.placeholder = LogitSteps.wrap(hidden_states.new_empty(()).expand(*hidden_states.shape[:-1], vocab),
+                                           self, ())
         return self.placeholder
 
     def _loss(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
               **kwargs):
-        if logits is not self.placeholder:
+        if not isinstance(logits, LogitSteps) or logits.capture is not self:
             raise RuntimeError(f"{type(self.model).__name__}: its forward changes the logits between lm_head and the "
                                "loss, which the fused loss head does not reproduce")
         self.loss_computed = True
-        hidden = self.hidden
+        hidden = self.hidden * logits.scale() if logits.steps else self.hidden
         if shift_labels is None:
             labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
             shift_labels = labels[..., 1:]
@@ -154,9 +155,47 @@ class _HeadCapture:
             raise RuntimeError(f"{type(self.model).__name__}: its forward did not compute the loss through "
                                "loss_function, so the fused loss head cannot replace its logits")
         if isinstance(out, tuple):
-            return tuple(x for x in out if x is not self.placeholder)
-        fields = {k: v for k, v in out.items() if v is not self.placeholder}
+            return tuple(x for x in out if not isinstance(x, LogitSteps))
+        fields = {k: v for k, v in out.items() if not isinstance(v, LogitSteps)}
         return type(out)(**fields)
+
+
+class LogitSteps(torch.Tensor):
+    """What lm_head returns during a captured forward: no logits, only the record of the elementwise steps
+    the model's forward applies to them before its loss (Granite's `/ logits_scaling`, Cohere's
+    `* logit_scale`). A scale folds into the hidden states the fused head reads; any other operation on
+    the logits is an error naming it, before an N x vocab tensor would be made."""
+
+    _SCALES = {torch.Tensor.__mul__: 1, torch.Tensor.__rmul__: 1, torch.Tensor.mul: 1, torch.mul: 1,
+               torch.Tensor.__truediv__: -1, torch.Tensor.div: -1, torch.div: -1}
+
+    @staticmethod
+    def wrap(empty, capture, steps):
+        out = torch.Tensor._make_subclass(LogitSteps, empty)
+        out.capture, out.steps = capture, steps
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in cls._SCALES and len(args) == 2 and not kwargs and isinstance(args[0], LogitSteps) and \
+                isinstance(args[1], (int, float)) and not isinstance(args[1], bool):
+            factor = float(args[1]) ** cls._SCALES[func]
+            return LogitSteps.wrap(args[0].as_subclass(torch.Tensor), args[0].capture,
+                                   args[0].steps + (("scale", factor),))
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        if isinstance(result, torch.Tensor) and result.dim() > 0:
+            raise RuntimeError(f"the model's forward applies {getattr(func, '__name__', func)} to the logits before "
+                               "its loss; the fused loss head reproduces only scaling by a number (put the model in "
+                               "eval mode or call it without labels to get plain logits)")
+        return result
+
+    def scale(self):
+        factor = 1.0
+        for _, f in self.steps:
+            factor *= f
+        return factor
 
 
 def module_cross_entropy(forward, hidden, labels, vocab, ignore_index=-100, num_items_in_batch=None):
@@ -186,4 +225,4 @@ def module_cross_entropy(forward, hidden, labels, vocab, ignore_index=-100, num_
     return total / (labels != ignore_index).sum()
 
 
-__all__ = ["causal_lm_forward", "install", "is_causal_lm", "module_cross_entropy"]
+__all__ = ["LogitSteps", "causal_lm_forward", "install", "is_causal_lm", "module_cross_entropy"]

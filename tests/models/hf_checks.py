@@ -103,13 +103,13 @@ def check_family_basics(build, tmp_path, model_cls):
     assert torch.equal(greedy(ours, ids[:1, :7]), greedy(plain, ids[:1, :7]))
 
 
-def check_lora_both_orders(build):
+def check_lora_both_orders(build, targets=("q_proj", "v_proj", "down_proj")):
     """PEFT LoRA before and after convert: adapters active, gradients as the unconverted LoRA model's."""
     from peft import LoraConfig, get_peft_model
 
     def lora(model):
         torch.manual_seed(5)
-        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
         return get_peft_model(model, cfg)
 
     ref, plain, _ = triple(build)

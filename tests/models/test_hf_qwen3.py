@@ -14,10 +14,3 @@ def build(**kw):
     base.update(kw)
     return lambda: Qwen3ForCausalLM(Qwen3Config(**base))
 
-
-def test_rule_state_save_load_generate(tmp_path):
-    hf_checks.check_family_basics(build(), tmp_path, Qwen3ForCausalLM)
-
-
-def test_lora_both_orders():
-    hf_checks.check_lora_both_orders(build())

@@ -1,0 +1,34 @@
+"""The Hugging Face families convert() supports, as tiny configurations the shared tests run.
+
+Each module of this package defines `FAMILIES`, a list of `Family`; tests/models/test_hf_families.py
+runs every check on every family collected here, so a new family is a few lines in one module.
+"""
+
+import dataclasses
+import importlib
+import pkgutil
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # config.model_type
+    config: object  # transformers config class
+    causal_lm: object  # the causal-LM class
+    tiny: dict  # config keyword arguments of the tiny model (hidden 64, 2 layers)
+    lora_targets: tuple = ("q_proj", "v_proj", "down_proj")
+    packed: bool = True  # documents packed by position_ids stay apart (the family's attention allows it)
+    heads: tuple = ()  # other model classes of the family whose layers convert (sequence/token classification)
+
+    def build(self, **kw):
+        """A zero-argument builder of the causal LM with the tiny config updated by `kw`."""
+        return lambda: self.causal_lm(self.config(**{**self.tiny, **kw}))
+
+    def __str__(self):
+        return self.name
+
+
+def collect():
+    families = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        families += importlib.import_module(f"{__name__}.{info.name}").FAMILIES
+    return families

@@ -1,0 +1,108 @@
+"""Every Hugging Face family convert() supports, each through the same checks (tests/models/families):
+the rule against float64 (padded and not), bf16, state dict and save/load both ways, greedy generate,
+LoRA before and after convert, packed documents, bytes kept per layer equal to the estimate, the
+classification heads, and a 20-step AdamW run that follows the unconverted model's losses.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from selective_ckpt import convert
+from selective_ckpt.models.configuration import layer_estimate
+from selective_ckpt.registry import recomputable_layers
+from tests.models import hf_checks
+from tests.models.families import collect
+from tests.models.hf_checks import VOCAB, assert_matches_reference, batch, kept_bytes_per_layer, triple
+
+pytest.importorskip("transformers")
+
+FAMILIES = collect()
+every_family = pytest.mark.parametrize("family", FAMILIES, ids=str)
+
+
+@every_family
+def test_rule_state_save_load_generate(family, tmp_path):
+    hf_checks.check_family_basics(family.build(), tmp_path, family.causal_lm)
+
+
+@every_family
+def test_bfloat16_within_the_rule(family):
+    ref, plain, ours = triple(family.build(), torch.bfloat16)
+    ids, mask = batch()
+    assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+
+
+@every_family
+def test_lora_both_orders(family):
+    hf_checks.check_lora_both_orders(family.build(), family.lora_targets)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.packed], ids=str)
+def test_packed_documents_stay_apart(family):
+    """position_ids restarting per document, no attention_mask: documents never attend each other."""
+    ref, plain, ours = triple(family.build())
+    ids, _ = batch(b=1, s=23)
+    pos = torch.tensor([list(range(9)) + list(range(5)) + list(range(9))])
+    assert_matches_reference(ref, plain, ours, input_ids=ids, position_ids=pos, use_cache=False)
+    other = ids.clone()
+    other[:, :9] = (other[:, :9] + 1) % VOCAB
+    with torch.no_grad():
+        whole = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
+        changed = ours(input_ids=other, position_ids=pos, use_cache=False).logits
+        first = ours(input_ids=ids[:, :9]).logits
+    assert torch.equal(whole[:, 9:], changed[:, 9:])
+    torch.testing.assert_close(whole[:, :9], first, rtol=1e-5, atol=1e-5)
+
+
+@every_family
+def test_layer_keeps_its_estimate(family):
+    """Train mode: the bytes one converted layer keeps after forward (a 2-layer minus a 1-layer model) are
+    exactly memory.estimate for its shape, and less than the unconverted layer keeps."""
+    ids, _ = batch(b=2, s=24, pad_rows=False)
+
+    def layers(n, converted=True):
+        torch.manual_seed(0)
+        model = family.build(num_hidden_layers=n)().train()
+        model.config._attn_implementation = "sdpa"
+        return convert(model) if converted else model
+
+    ours = kept_bytes_per_layer(layers, {"input_ids": ids})
+    layer = recomputable_layers(layers(1))[0]
+    assert ours == layer_estimate(layer, ids.shape[1], ids.shape[0])
+    assert kept_bytes_per_layer(lambda n: layers(n, False), {"input_ids": ids}) > ours
+
+
+@pytest.mark.parametrize("family, head", [(f, h) for f in FAMILIES for h in f.heads],
+                         ids=lambda x: x.__name__ if isinstance(x, type) else str(x))
+def test_classification_heads_convert(family, head):
+    ref, plain, ours = triple(lambda: head(family.config(**family.tiny, num_labels=3)))
+    assert len(recomputable_layers(ours)) == family.tiny["num_hidden_layers"]
+    ids, _ = batch(pad_rows=False)
+    assert_matches_reference(ref, plain, ours, input_ids=ids)
+
+
+@every_family
+def test_training_follows_the_unconverted_losses(family):
+    """20 AdamW steps from the same initialisation and data, fp32: every step's loss within 1e-4 relative."""
+    torch.manual_seed(0)
+    plain = family.build()().train()
+    plain.config._attn_implementation = "sdpa"
+    ours = convert(copy.deepcopy(plain))
+    g = torch.Generator().manual_seed(7)
+    data = [torch.randint(0, VOCAB, (2, 17), generator=g) for _ in range(2)] * 10  # two batches to learn
+    curves = []
+    for model in (plain, ours):
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for ids in data:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        curves.append(losses)
+    assert curves[0][-1] < curves[0][0], "the run must learn something for the comparison to mean anything"
+    for step, (p, o) in enumerate(zip(*curves)):
+        assert abs(o - p) <= 1e-4 * abs(p), f"step {step}: converted loss {o} against {p}"
