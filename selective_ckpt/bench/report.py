@@ -205,11 +205,7 @@ def write_plots(results, cfg, out):
         color, marker, line = STYLES[row]
         ax.plot([r["seq"] * dodge[row] for r in pts], [r["kept_bytes_per_layer"] / 2**20 for r in pts], color=color,
                 marker=marker, linestyle=line, markersize=6, label=ROW_LABELS[row])
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(seqs, [str(s) for s in seqs])
-    ax.set_xlabel("sequence length (rows side by side around each length)")
-    ax.set_ylabel("kept for backward per layer (MiB, log)")
+    _log_axes(ax, seqs, "kept for backward per layer (MiB, log)")
     paths.append(Path(out) / "kept_memory.png")
     _finish(fig, ax, paths[-1], _title(cfg, "activation bytes kept for backward, per layer"))
     plt.close(fig)
@@ -222,17 +218,22 @@ def write_plots(results, cfg, out):
                [r["step_s_p80"] * 1e3 - m for m, r in zip(mid, pts)]]
         ax.errorbar([r["seq"] * dodge[row] for r in pts], mid, yerr=err, color=color, marker=marker, linestyle=line,
                     markersize=6, capsize=3, elinewidth=1, label=ROW_LABELS[row])
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(seqs, [str(s) for s in seqs])
-    ax.set_xlabel("sequence length (rows side by side around each length)")
-    ax.set_ylabel("forward+backward step (ms, log): median, bars p20-p80")
+    _log_axes(ax, seqs, "forward+backward step (ms, log): median, bars p20-p80")
     paths.append(Path(out) / "step_time.png")
     _finish(fig, ax, paths[-1], _title(cfg, "step time"))
     plt.close(fig)
 
     paths.append(_tradeoff_plot(plt, series, seqs, cfg, Path(out) / "tradeoff.png"))
     return paths
+
+
+def _log_axes(ax, seqs, ylabel):
+    """Log-log axes over the sequence lengths (rows are dodged around each length)."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(seqs, [str(s) for s in seqs])
+    ax.set_xlabel("sequence length (rows side by side around each length)")
+    ax.set_ylabel(ylabel)
 
 
 def _tradeoff_plot(plt, series, seqs, cfg, path):
