@@ -185,7 +185,8 @@ class LogitSteps(torch.Tensor):
                                    args[0].steps + (("scale", factor),))
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
-        if isinstance(result, torch.Tensor) and result.dim() > 0:
+        # attribute reads (.shape, .data: `__get__`) pass; an operation that makes logits is refused
+        if isinstance(result, torch.Tensor) and result.dim() > 0 and getattr(func, "__name__", "") != "__get__":
             raise RuntimeError(f"the model's forward applies {getattr(func, '__name__', func)} to the logits before "
                                "its loss; the fused loss head reproduces only scaling by a number (put the model in "
                                "eval mode or call it without labels to get plain logits)")

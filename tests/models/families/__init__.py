@@ -32,3 +32,8 @@ def collect():
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         families += importlib.import_module(f"{__name__}.{info.name}").FAMILIES
     return families
+
+
+def by_name(name):
+    """The family whose model type is `name`."""
+    return next(f for f in collect() if f.name == name)
