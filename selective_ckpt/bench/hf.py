@@ -111,13 +111,15 @@ def _quantized_nf4(model):
 
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # one bar per save and load would bury the table
     q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
     with tempfile.TemporaryDirectory() as path, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # bitsandbytes on CPU, unused generation config
+        warnings.simplefilter("ignore")  # bitsandbytes on CPU, transformers' deprecation inside peft
         model.save_pretrained(path)
         model = type(model).from_pretrained(path, quantization_config=q, attn_implementation="sdpa")
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def _enable_hf_checkpointing(model):
