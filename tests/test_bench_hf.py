@@ -61,6 +61,7 @@ def test_training_configuration_rows_keep_the_estimate(tmp_path):
             row = rows[(config, r)]
             assert row["model"] == "llama"
             assert float(row["step_s_p20"]) <= float(row["step_s"]) <= float(row["step_s_p80"])
+            assert 0 < float(row["vs_sdpa_p20"]) <= float(row["vs_sdpa_p80"])
         assert float(rows[(config, "sdpa")]["vs_sdpa"]) == 1.0
         table = [line for line in proc.stdout.splitlines() if re.match(rf"llama +{config} +\d+ ", line)]
         assert len(table) == 3, proc.stdout

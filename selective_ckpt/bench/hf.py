@@ -223,7 +223,8 @@ class TrainStep:
 
 
 def _time_rows(steps, cfg, label, progress):
-    """Interleaved step times per row: {row: (median, fastest, p20, p80)}."""
+    """Interleaved step times per row: {row: (median, fastest, p20, p80)}, and per row the p20 and p80 of
+    its time over the first row's in the same round (a ratio of adjacent runs, which load drift spares)."""
     for _ in range(cfg["warmup"]):
         for step in steps.values():
             step()
@@ -233,7 +234,9 @@ def _time_rows(steps, cfg, label, progress):
     for _ in range(cfg["repeats"]):
         for row, step in steps.items():
             times[row].append(step())
-    return {row: _spread(t) for row, t in times.items()}
+    first = next(iter(times.values()))
+    ratios = {row: _spread([a / b for a, b in zip(t, first)])[2:] for row, t in times.items()}
+    return {row: _spread(t) for row, t in times.items()}, ratios
 
 
 def measure_training(cfg, configs=tuple(TRAINING), progress=True):
@@ -254,12 +257,14 @@ def measure_training(cfg, configs=tuple(TRAINING), progress=True):
                 res[row]["kept_bytes_per_layer"] = training_kept_bytes_per_layer(config, row, cfg, ids)
             built = {row: build_training_model(config, row, cfg) for row in ROWS}
             floor = training_floor_bytes(built["selective"], config, cfg["batch"], seq)
-            spread = _time_rows({row: TrainStep(built[row], ids, dtype) for row in ROWS}, cfg, label, progress)
+            spread, ratios = _time_rows({row: TrainStep(built[row], ids, dtype) for row in ROWS}, cfg, label,
+                                        progress)
             for row in ROWS:
                 r = res[row]
                 r["floor_bytes_per_layer"] = floor
                 r["step_s"], r["step_s_min"], r["step_s_p20"], r["step_s_p80"] = spread[row]
                 r["vs_sdpa"] = r["step_s"] / spread["sdpa"][0]
+                r["vs_sdpa_p20"], r["vs_sdpa_p80"] = ratios[row]
             results += [res[row] for row in ROWS]
             del built
     return results
@@ -302,6 +307,10 @@ def measure(cfg, models=MODELS, progress=True):
     return results
 
 
+def _ratio_spread(r):
+    return f" ({r['vs_sdpa_p20']:.2f}-{r['vs_sdpa_p80']:.2f})" if "vs_sdpa_p20" in r else ""
+
+
 def format_table(results, cfg=None):
     """One line per result; the "x 2h B" column is kept bytes over tokens * hidden * 2 (16-bit elements per
     token and hidden unit, the unit of docs/DESIGN.md's floor). `cfg` is not needed (each result has its shape)."""
@@ -315,18 +324,19 @@ def format_table(results, cfg=None):
                      f"{memory.format_bytes(floor):>11s} "
                      f"{kept / floor:7.2f}x "
                      f"{1000 * r['step_s']:8.1f} {1000 * r['step_s_p20']:6.1f}-{1000 * r['step_s_p80']:<7.1f} "
-                     f"{r['vs_sdpa']:7.3f}x")
+                     f"{r['vs_sdpa']:7.3f}x" + _ratio_spread(r))
     return "\n".join(lines)
 
 
 def write_csv(results, path):
     fields = ["model", "config", "hidden", "batch", "seq", "row", "kept_bytes_per_layer", "floor_bytes_per_layer",
-              "step_s", "step_s_min", "step_s_p20", "step_s_p80", "vs_sdpa"]
+              "step_s", "step_s_min", "step_s_p20", "step_s_p80", "vs_sdpa", "vs_sdpa_p20", "vs_sdpa_p80"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields + ["torch", "threads"])
         w.writeheader()
         for r in results:
-            w.writerow({**{k: r[k] for k in fields}, "torch": torch.__version__, "threads": torch.get_num_threads()})
+            w.writerow({**{k: r.get(k, "") for k in fields}, "torch": torch.__version__,
+                        "threads": torch.get_num_threads()})
 
 
 def build_parser():
