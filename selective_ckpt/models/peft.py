@@ -8,12 +8,18 @@ PEFT's own forward is left alone, so `set_adapter`, `disable_adapter()`, several
 `use_rslora`, merging and `merge_and_unload` keep PEFT's semantics; eval mode applies no dropout.
 
 Adapters may be added before or after convert: each converted layer checks its adapters when
-the set of its modules changes (`check_layer`). DoRA (`use_dora=True`) rebuilds the adapted
-weight's norm from the base weight, which selective_ckpt does not rebuild: it is refused by name.
+the set of its modules changes (`check_layer`). bitsandbytes' 8-bit Linear trains on CPU through
+MatMul8bitFp, which holds its input as a plain attribute of the autograd context (outside
+save_for_backward, so no saved-tensor hook sees it) and reads it only for the weight gradient; for
+a frozen int8 weight that reference is dropped after forward (`int8_linear_forward`).
+
+DoRA (`use_dora=True`) rebuilds the adapted weight's norm from the base weight, which
+selective_ckpt does not rebuild: it is refused by name.
 """
 
 import warnings
 
+import torch
 from torch import nn
 
 from .common import ConversionError
@@ -24,6 +30,19 @@ from .patches import PATCHED, dropout_forward, patch_forward
 KNOWN_CONSUMERS = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt", "Dropout", "Identity", "ModuleDict",
                    "ParameterDict", "BufferDict")
 KNOWN_PARAMETERS = ("Parameter", "Params4bit", "Int8Params")
+
+
+def int8_linear_forward(self, x):
+    """bitsandbytes Linear8bitLt's own forward, then, when its autograd node is MatMul8bitFp's (CPU/XPU
+    training) and its weight takes no gradient, the node's reference to the input is dropped: that
+    backward reads the input only for the weight gradient, and holding it keeps a rebuilt norm or
+    activation output alive (the norm output per projection input, the MLP product for down_proj)."""
+    out = type(self).forward(self, x)
+    node = out.grad_fn if isinstance(out, torch.Tensor) else None
+    if node is not None and type(node).__name__ == "MatMul8bitFpBackward" and getattr(node, "A", None) is not None:
+        if not node.needs_input_grad[1]:
+            node.A = None
+    return out
 
 
 def _lora_layers(module):
@@ -44,8 +63,10 @@ def _check_variants(name, lora):
 
 
 def plan_adapters(root, owner=""):
-    """(module, forward) patches for the LoRA dropouts under `root`; raises ConversionError for variants."""
-    patches = []
+    """(module, forward) patches for the LoRA dropouts and 8-bit Linears under `root`; raises ConversionError
+    for LoRA variants."""
+    patches = [(m, int8_linear_forward) for m in root.modules() if type(m).__name__ == "Linear8bitLt"
+               and type(m).__module__.startswith("bitsandbytes.")]
     for name, lora in _lora_layers(root):
         full = f"{owner}.{name}" if owner and name else (name or owner)
         _check_variants(full, lora)

@@ -45,26 +45,38 @@ def _causal_lm(family):
             "qwen2": transformers.Qwen2ForCausalLM}[family]
 
 
-def _quantized(model, family, tmp_path):
+# bitsandbytes bases: name -> BitsAndBytesConfig arguments ("nf4-bf16" is the QLoRA recipe)
+QUANTS = {
+    "nf4-bf16": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16),
+    "nf4-fp16": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16),
+    "nf4-fp32": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
+    "fp4-bf16": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.bfloat16),
+    "fp4-fp16": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.float16),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+def _quantized(model, family, tmp_path, quant="nf4-bf16"):
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
-    path = tmp_path / f"{family}-{model.config.num_hidden_layers}"
+    path = tmp_path / f"{family}-{model.config.num_hidden_layers}-{quant}"
     model.save_pretrained(path)
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    q = BitsAndBytesConfig(**QUANTS[quant])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = _causal_lm(family).from_pretrained(path, quantization_config=q, attn_implementation="sdpa")
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def build(family, config, layers, tmp_path):
+def build(family, config, layers, tmp_path, quant="nf4-bf16"):
+    """`config` names the training configuration (CONFIGS); `quant` the base of a "qlora" one (QUANTS)."""
     torch.manual_seed(0)
     model = _causal_lm(family)(_config(family, layers))
     if config.startswith("bf16"):
         model = model.to(torch.bfloat16)
     if "qlora" in config:
-        model = _quantized(model, family, tmp_path)
+        model = _quantized(model, family, tmp_path, quant)
     if "lora" in config:
         from peft import LoraConfig, get_peft_model
 
@@ -75,8 +87,16 @@ def build(family, config, layers, tmp_path):
     return model.train()
 
 
+def autocast_dtype(config):
+    """The dtype a config's forward runs under autocast in ("autocast-fp16..." float16, "autocast..." bfloat16)."""
+    if not config.startswith("autocast"):
+        return None
+    return torch.float16 if config.startswith("autocast-fp16") else torch.bfloat16
+
+
 def _autocast(config):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if config.startswith("autocast") else contextlib.nullcontext()
+    dtype = autocast_dtype(config)
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
 
 
 def _ids(seed=3):
@@ -113,7 +133,7 @@ def test_kept_bytes_per_layer_equal_the_estimate(family, config, tmp_path):
         held.append(_held(model, ids, config))
     per_layer = (held[1] - held[0]) / 2
     layer = _decoder_layers(model)[1]
-    expected = layer_estimate(layer, S, B, torch.bfloat16 if config.startswith("autocast") else None)
+    expected = layer_estimate(layer, S, B, autocast_dtype(config))
     assert per_layer == expected, (per_layer, layer_estimate(layer, S, B, None, breakdown=True))
 
 
@@ -144,15 +164,20 @@ def test_ledger_sees_what_the_model_keeps(config, tmp_path):
 
 
 def _float64_reference(model):
-    """A float64 copy of a (possibly 4-bit) model: quantized Linears become dense with the dequantized weights."""
+    """A float64 copy of a (possibly 4- or 8-bit) model: quantized Linears become dense with the dequantized
+    weights (8-bit: the int8 rows times their absmax / 127, the weight bitsandbytes' CPU training matmul uses)."""
     import bitsandbytes as bnb
 
     ref = copy.deepcopy(model)
     for name, m in list(ref.named_modules()):
-        if isinstance(m, bnb.nn.Linear4bit):
+        if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
             dense = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
             with torch.no_grad():
-                dense.weight.copy_(bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).float())
+                if isinstance(m, bnb.nn.Linear4bit):
+                    w = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
+                else:
+                    w = m.weight.data.double() * (m.weight.SCB.double().unsqueeze(1) / 127.0)
+                dense.weight.copy_(w.float())
                 if m.bias is not None:
                     dense.bias.copy_(m.bias)
                     dense.bias.requires_grad_(m.bias.requires_grad)
