@@ -44,15 +44,28 @@ def _model_forward(self, *args, **kwargs):
     original = getattr(self, PATCHED)
     if not self.training or not self.embedding_dropout:
         return original(*args, **kwargs)
-    bound = inspect.signature(original).bind(*args, **kwargs)
-    ids, embeds = bound.arguments.get("input_ids"), bound.arguments.get("inputs_embeds")
+    names = list(inspect.signature(inspect.unwrap(type(self).forward)).parameters)[1:]  # the forward's own order
+    args, kwargs = list(args), dict(kwargs)
+
+    def get(name):
+        i = names.index(name)
+        return args[i] if i < len(args) else kwargs.get(name)
+
+    def put(name, value):
+        i = names.index(name)
+        if i < len(args):
+            args[i] = value
+        else:
+            kwargs[name] = value
+
+    ids, embeds = get("input_ids"), get("inputs_embeds")
     if (ids is None) == (embeds is None):
         return original(*args, **kwargs)  # the model's own forward reports the bad call
     if embeds is None:
         embeds = self.embed_tokens(ids)
-    bound.arguments["input_ids"] = None
-    bound.arguments["inputs_embeds"] = dropout_by_seed(embeds, self.embedding_dropout, True)
-    return _without_rate(self, "embedding_dropout", lambda: original(*bound.args, **bound.kwargs))
+    put("input_ids", None)
+    put("inputs_embeds", dropout_by_seed(embeds, self.embedding_dropout, True))
+    return _without_rate(self, "embedding_dropout", lambda: original(*args, **kwargs))
 
 
 def _patches(root):
