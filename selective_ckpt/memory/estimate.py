@@ -21,7 +21,8 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
-             dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, **layer_kwargs):
+             dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
+             norms=2, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -47,7 +48,13 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     input's dtype; default `dtype`). `lora` (memory.LoRA) adds its rank terms: each adapted projection
     keeps lora_A's output (rank elements per token in lora.dtype) and, with dropout, an 8-byte seed;
     everything else LoRA reads (its dropped and cast inputs) is rebuilt.
+
+    Residual forms: `residual="pre-norm"` (x1 = x + attention branch feeds the second norm) or
+    "parallel" (attention and MLP both read the layer input x, as Cohere's and GPT-NeoX's
+    use_parallel_residual layers do: no x1 is kept). `norms` is the number of norms the layer runs
+    (statistics and, under "none", outputs per norm): 2, or 1 for one norm shared by both branches.
     """
+    check_residual(residual, norms)
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
     gated = layer_kwargs.get("activation", "gelu") in GATED_ACTIVATIONS
     rms = layer_kwargs.get("norm", "layernorm") == "rmsnorm"
@@ -65,14 +72,18 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         parts = {"x": t * h * er}
     else:
         parts = {"x": t * h * er, "qkv": t * (h + 2 * kv_heads * head_dim) * e, "o": t * h * e, "x1": t * h * er}
+        if residual == "parallel":
+            del parts["x1"]
         if gated:
             parts.update(gate_out=t * ffn * em, up_out=t * ffn * em)
         else:
             parts["fc1_out"] = t * ffn * em
         parts["lse"] = num_heads * t * acc
-        parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * 2 * t * acc
+        parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * norms * t * acc
         if recompute == "none":
             parts.update(ln1_out=t * h * e, ln2_out=t * h * e)
+            if norms == 1:
+                del parts["ln2_out"]
             parts["product" if gated else "gelu_out"] = t * ffn * e
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
@@ -82,6 +93,19 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         if lora is not None:
             parts.update(lora.kept(t))
     return parts if breakdown else sum(parts.values())
+
+
+RESIDUALS = ("pre-norm", "parallel")
+
+
+def check_residual(residual, norms):
+    """A layer's residual form and norm count as `estimate` takes them, or the error naming the argument."""
+    if residual not in RESIDUALS:
+        raise ValueError(f"residual must be one of {', '.join(map(repr, RESIDUALS))}, got {residual!r}")
+    if isinstance(norms, bool) or norms not in (1, 2):
+        raise ValueError(f"norms must be 1 or 2, got {norms!r}")
+    if residual == "pre-norm" and norms != 2:
+        raise ValueError(f"norms must be 2 for a pre-norm layer (its second norm reads x1), got {norms!r}")
 
 
 def _size(dtype):

@@ -228,6 +228,25 @@ def _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling,
                                   is_causal=is_causal, **kwargs)
 
 
+def _storage(t):
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
+def _own_buffers(query, key, value):
+    """q, k, v as attention keeps them: one that is a view into a larger buffer none of the others keeps
+    alive (GPT-NeoX's packed query_key_value output, of which RoPE made new q and k and only v is still a
+    view) is copied, so the buffer is freed; views into one buffer the three share (GPT-2's c_attn) stay."""
+    if not torch.is_grad_enabled():
+        return query, key, value
+    out = [query, key, value]
+    storages = [_storage(t) for t in out]
+    for i, t in enumerate(out):
+        shared = any(storages[j][0] == storages[i][0] for j in range(3) if j != i)
+        if not shared and storages[i][1] > t.numel() * t.element_size():
+            out[i] = t.contiguous() if not t.is_contiguous() else t.clone()
+    return tuple(out)
+
+
 def selective_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                         **kwargs):
     """transformers attention function: (o [B, S, H, D], weights or None). query [B, H, Sq, D], key/value [B, Hkv,
@@ -264,7 +283,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
             raise ConversionError(f"{name}: cu_seq_lens_q cannot be combined with padding")
         cu = cu_kw
     dtype = _compute_dtype(query)
-    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype))
     seed = rng.draw_seed_tensor(query.device) if dropout > 0 else None
     o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu)
     return o.transpose(1, 2), None

@@ -70,7 +70,18 @@ def layer_estimate(layer, seq_len, batch, autocast_dtype=None, breakdown=False):
         raise TypeError(f"layer must be a converted decoder layer (selective_ckpt.convert), got {type(layer).__name__}")
     shape = state.shape()
     shape.pop("dtype", None)
-    dropout = getattr(layer.self_attn, "attention_dropout", 0.0) if hasattr(layer, "self_attn") else 0.0
+    attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+    dropout = getattr(attn, "attention_dropout", 0.0) if attn is not None else 0.0
     return estimate(seq_len=seq_len, batch=batch, recompute=state.recompute, breakdown=breakdown,
                     attn_dropout=float(dropout or 0.0) if layer.training else 0.0,
+                    dropout=_residual_dropout(layer, attn) if layer.training else 0.0,
                     lora=_lora(layer, autocast_dtype), **training_dtypes(layer, autocast_dtype), **shape)
+
+
+def _residual_dropout(layer, attn):
+    """The rate of the dropouts on the layer's residual branches (attention output and MLP output), which
+    keep a seed each: the layer's own nn.Dropout children (GPT-NeoX) or its attention's functional
+    `residual_dropout` (Starcoder2)."""
+    rates = [m.p for m in layer.children() if type(m) is nn.Dropout]
+    rates.append(getattr(attn, "residual_dropout", 0.0) if attn is not None else 0.0)
+    return float(max(rates) or 0.0)

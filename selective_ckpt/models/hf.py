@@ -29,12 +29,14 @@ from .patches import (
     swiglu_mlp_forward,
 )
 
-ROLES = ("norm", "attention", "mlp")
+ROLES = ("norm", "attention", "mlp", "dropout")  # dropout: an nn.Dropout child of the layer (by seed, spec.dropout)
 MLP_LAYOUTS = ("gate_up", "fc")  # separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc)
 GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.swiglu_mlp_forward reads
 # Residual forms the driver converts. Patching leaves the layer's own forward in place, so any form
 # would compute right; the memory estimate (memory/estimate.py) counts pre-norm layers (two norms).
-RESIDUALS = ("pre-norm",)
+# "parallel": attention and MLP both read the layer input (x + attn(norm(x)) + mlp(norm'(x)), one norm shared or
+# one each); a spec's shape reader tells memory.estimate each layer's form (residual_shape).
+RESIDUALS = ("pre-norm", "parallel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,7 @@ class MLPSpec:
     cls: str  # class name
     layout: str  # one of MLP_LAYOUTS
     children: tuple  # gate_up: GATE_UP_CHILDREN; fc: (fc_in, activation, fc_out[, dropout])
+    forward: object = None  # the MLP's patched forward (self, x); None: the layout's own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +68,12 @@ class ModelSpec:
     qk_norm: bool = False  # attention holds q_norm and k_norm (of the spec's norm class), per head
     dropout: bool = False  # every nn.Dropout of the model keeps a seed instead of a mask
     check: object = None  # extra checks (root, name) raising ConversionError, or None
+    patches: object = None  # extra patches (root) -> [(module, forward), ...] after the checks, or None
 
     def __post_init__(self):
         bad = sorted({role for _, role in self.children} - set(ROLES))
+        if any(role == "dropout" for _, role in self.children) and not self.dropout:
+            raise ValueError(f"model spec {self.model_types}: a layer with dropout children needs dropout=True")
         if self.mlp.layout == "gate_up" and tuple(self.mlp.children) != GATE_UP_CHILDREN:
             raise ValueError(f"model spec {self.model_types}: a gate_up MLP has the children {GATE_UP_CHILDREN}")
         if bad or self.norm.kind not in NORMS or self.mlp.layout not in MLP_LAYOUTS or self.residual not in RESIDUALS:
@@ -105,7 +111,7 @@ def check_children(module, name, allowed, model_type):
 
 
 def _check_norm(norm, name, spec):
-    if spec.norm.kind == "layernorm" and not norm.elementwise_affine:
+    if spec.norm.kind == "layernorm" and not getattr(norm, "elementwise_affine", True):
         raise ConversionError(f"{name}: {type(norm).__name__} is not an affine LayerNorm")
 
 
@@ -130,7 +136,7 @@ def plan(root, spec, model_type):
     layers = modules_of(root, spec.layer)
     if not layers:
         raise ConversionError(f"{name} holds no {spec.layer}")
-    expected = {"norm": spec.norm.cls, "attention": spec.attention, "mlp": spec.mlp.cls}
+    expected = {"norm": spec.norm.cls, "attention": spec.attention, "mlp": spec.mlp.cls, "dropout": nn.Dropout}
     attention_children = spec.attention_children + (("q_norm", "k_norm") if spec.qk_norm else ())
     for lname, layer in layers:
         check_children(layer, lname, [c for c, _ in spec.children], model_type)
@@ -143,7 +149,7 @@ def plan(root, spec, model_type):
                 _check_norm(module, f"{lname}.{child}", spec)
             elif role == "attention":
                 check_children(module, f"{lname}.{child}", attention_children, model_type)
-            else:
+            elif role == "mlp":
                 check_children(module, f"{lname}.{child}", spec.mlp.children, model_type)
                 _check_activation(module, f"{lname}.{child}", model_type, spec)
     patches = [(m, _norm_forward(spec.norm)) for _, m in modules_of(root, spec.norm.cls)]
@@ -152,7 +158,9 @@ def plan(root, spec, model_type):
         if any(d.inplace for d in dropouts):
             raise ConversionError(f"{name}: in-place nn.Dropout cannot be converted")
         patches += [(m, dropout_forward) for m in dropouts]
-    patches += [(m, _mlp_forward(spec.mlp)) for _, m in modules_of(root, spec.mlp.cls)]
+    patches += [(m, spec.mlp.forward or _mlp_forward(spec.mlp)) for _, m in modules_of(root, spec.mlp.cls)]
+    if spec.patches is not None:
+        patches += spec.patches(root)
     return [m for _, m in layers], patches
 
 
@@ -201,6 +209,14 @@ def config_shape(layer, config, spec):
                 activation=layer_activation(layer, spec), sliding_window=getattr(attn, "sliding_window", None) or None)
 
 
+def residual_shape(layer, config, spec, parallel=None):
+    """config_shape plus the layer's residual form and norm count for memory.estimate: "parallel" when the
+    spec's residual is (or `parallel`, a layer's own flag, says so), norms = the layer's norm children."""
+    parallel = spec.residual == "parallel" if parallel is None else parallel
+    norms = sum(1 for _, role in spec.children if role == "norm")
+    return {**config_shape(layer, config, spec), "residual": "parallel" if parallel else "pre-norm", "norms": norms}
+
+
 def llama_shaped(model_type, prefix, **overrides):
     """The spec of a Llama-shaped family: <prefix>DecoderLayer of input_layernorm -> self_attn (q/k/v/o_proj),
     post_attention_layernorm -> mlp (gate_proj, up_proj, down_proj, act_fn), <prefix>RMSNorm with offset 0,
@@ -239,4 +255,4 @@ def converted_layers(model):
 
 
 __all__ = ["ConversionError", "MLPSpec", "ModelSpec", "NormSpec", "apply", "config_shape",
-           "converted_layers", "hf_root", "llama_shaped", "plan"]
+           "converted_layers", "hf_root", "llama_shaped", "plan", "residual_shape"]

@@ -33,9 +33,15 @@ def patch_forward(module, forward):
 # --- LayerNorm (GPT-2): the fused kernel keeps x, mean, rstd; the output is rebuilt from them.
 
 def layer_norm_forward(self, x):
+    """nn.LayerNorm, or a LayerNorm without bias that holds `variance_epsilon` (CohereLayerNorm, which computes
+    in fp32 and rounds once: a weight of another dtype than x runs its own forward, rounding as it does)."""
+    bias = getattr(self, "bias", None)
+    if not isinstance(self, torch.nn.LayerNorm) and (self.weight.dtype != x.dtype or self.weight.shape != x.shape[-1:]):
+        return getattr(self, PATCHED)(x)
     w = self.weight.to(x.dtype)
-    b = None if self.bias is None else self.bias.to(x.dtype)
-    y, mean, rstd = layer_norm_fwd(x, w, b, float(self.eps))
+    b = None if bias is None else bias.to(x.dtype)
+    eps = self.eps if hasattr(self, "eps") else self.variance_epsilon
+    y, mean, rstd = layer_norm_fwd(x, w, b, float(eps))
     return recompute.discardable(y, layer_norm_apply, x, w, b, mean, rstd)
 
 
@@ -163,7 +169,17 @@ def dropout_forward(self, x):
         return torch.zeros_like(x)
     if self.inplace:
         raise ValueError("in-place dropout cannot be converted; set inplace=False")
-    p, seed = float(self.p), rng.draw_seed_tensor(x.device)
+    return dropout_by_seed(x, self.p, True)
+
+
+def dropout_by_seed(x, p, training):
+    """nn.functional.dropout(x, p, training) by the dropout contract's elementwise stream: 8 bytes of seed kept,
+    the output rebuilt in backward (dropout_forward's rule for a functional dropout, e.g. Starcoder2's)."""
+    if not training or p == 0:
+        return x
+    if p == 1:
+        return torch.zeros_like(x)
+    p, seed = float(p), rng.draw_seed_tensor(x.device)
     return recompute.discardable(dropout_op(x, p, seed), dropout_op, recompute.source(x), p, seed)
 
 
