@@ -21,7 +21,8 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
-             dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, **layer_kwargs):
+             dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
+             qk_norm=None, norm_stats=True, scalar_multipliers=0, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -47,6 +48,14 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     input's dtype; default `dtype`). `lora` (memory.LoRA) adds its rank terms: each adapted projection
     keeps lora_A's output (rank elements per token in lora.dtype) and, with dropout, an 8-byte seed;
     everything else LoRA reads (its dropped and cast inputs) is rebuilt.
+
+    Converted Hugging Face layers of other forms (models/hf.py): `residual="post-norm"` (OLMo2: x +
+    norm(attn(x)), x1 + norm(mlp(x1))) keeps the two norms' inputs, the o_proj output (t*h*e) and the
+    down_proj output (t*h*e_mlp), besides x and x1 that the projections read; no norm output is
+    consumed by a saving op, so "none" adds only the product. `qk_norm="projection"` (q/k RMSNorm over the
+    whole q_proj / k_proj output) keeps those outputs, t*(H*D + Hkv*D)*e, besides q and k after RoPE.
+    `norm_stats=False`: the norms keep no rstd (norms that run their own forward again in backward).
+    `scalar_multipliers`: products by a Python float keeping it as a 0-dim float64 tensor, 8 bytes each.
     """
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
     gated = layer_kwargs.get("activation", "gelu") in GATED_ACTIVATIONS
@@ -54,6 +63,14 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     check_positive_int(seq_len, "seq_len")
     check_positive_int(batch, "batch")
     check_mode(recompute)
+    if residual not in ("pre-norm", "post-norm"):
+        raise ValueError(f"residual must be 'pre-norm' or 'post-norm', got {residual!r}")
+    if qk_norm not in (None, "projection"):
+        raise ValueError(f"qk_norm must be None or 'projection' (q/k norms over the whole projection), got {qk_norm!r}")
+    if not isinstance(norm_stats, bool):
+        raise TypeError(f"norm_stats must be a bool, got {type(norm_stats).__name__}")
+    if scalar_multipliers != 0:
+        check_positive_int(scalar_multipliers, "scalar_multipliers")
     dtype = as_dtype(dtype)
     e = _size(dtype)
     er = _size(as_dtype(residual_dtype, "residual_dtype")) if residual_dtype is not None else e
@@ -70,9 +87,19 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         else:
             parts["fc1_out"] = t * ffn * em
         parts["lse"] = num_heads * t * acc
-        parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * 2 * t * acc
+        if norm_stats:
+            parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * 2 * t * acc
+        if residual == "post-norm":
+            parts.update(attn_out=t * h * e, mlp_out=t * h * em)
+        if qk_norm == "projection":
+            parts["qk_norm_in"] = t * (num_heads + kv_heads) * head_dim * e
+            if norm_stats:
+                parts["qk_norm_stats"] = 2 * t * acc
+        if scalar_multipliers:
+            parts["multipliers"] = 8 * scalar_multipliers
         if recompute == "none":
-            parts.update(ln1_out=t * h * e, ln2_out=t * h * e)
+            if residual == "pre-norm":
+                parts.update(ln1_out=t * h * e, ln2_out=t * h * e)
             parts["product" if gated else "gelu_out"] = t * ffn * e
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")

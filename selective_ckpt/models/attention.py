@@ -228,6 +228,20 @@ def _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling,
                                   is_causal=is_causal, **kwargs)
 
 
+def _own_storage(value, query, key):
+    """value, or a compact copy of it when it is a slice of a larger packed output that nothing else kept
+    here shares (Phi-3's v, a view of the one qkv_proj output, whose q and k RoPE has replaced): attention
+    keeps v for backward, and keeping the view would keep the whole packed storage. A storage q or k
+    reads too (GPT-2's c_attn output) is kept anyway, so such a v stays a view."""
+    storage = value.untyped_storage()
+    if storage.nbytes() <= value.numel() * value.element_size():
+        return value
+    if any(t.untyped_storage().data_ptr() == storage.data_ptr() for t in (query, key)):
+        return value
+    # [B, Hkv, S, D] as a view of a contiguous [B, S, Hkv, D], the layout of an unpacked v_proj output
+    return value.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def selective_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                         **kwargs):
     """transformers attention function: (o [B, S, H, D], weights or None). query [B, H, Sq, D], key/value [B, Hkv,
@@ -265,6 +279,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
         cu = cu_kw
     dtype = _compute_dtype(query)
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    value = _own_storage(value, query, key)
     seed = rng.draw_seed_tensor(query.device) if dropout > 0 else None
     o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu)
     return o.transpose(1, 2), None

@@ -71,6 +71,9 @@ def layer_estimate(layer, seq_len, batch, autocast_dtype=None, breakdown=False):
     shape = state.shape()
     shape.pop("dtype", None)
     dropout = getattr(layer.self_attn, "attention_dropout", 0.0) if hasattr(layer, "self_attn") else 0.0
+    # the layer's own dropouts on the attention and MLP outputs (Phi-3's residual dropouts), a seed each
+    resid = max([float(m.p) for m in layer.children() if type(m) is nn.Dropout], default=0.0)
     return estimate(seq_len=seq_len, batch=batch, recompute=state.recompute, breakdown=breakdown,
                     attn_dropout=float(dropout or 0.0) if layer.training else 0.0,
+                    dropout=resid if layer.training else 0.0,
                     lora=_lora(layer, autocast_dtype), **training_dtypes(layer, autocast_dtype), **shape)
