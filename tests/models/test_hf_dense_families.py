@@ -126,3 +126,26 @@ def test_refusals_change_nothing(name, tamper, words):
     with pytest.raises(ConversionError, match=words):
         convert(model)
     assert _unchanged(model) and model.config._attn_implementation != "selective_ckpt"
+
+
+def test_estimate_of_the_other_forms():
+    """memory.estimate's post-norm, projection q/k norm and multiplier parts, counted by hand (fp32, t tokens,
+    h 64, 4 heads of 16, 2 kv heads, ffn 112), and its refusals of bad values."""
+    from selective_ckpt.memory import estimate
+
+    t, h, kv = 48, 64, 32
+    kw = dict(num_kv_heads=2, ffn_dim=112, norm="rmsnorm", activation="swiglu")
+    llama = estimate(h, 4, 24, 2, torch.float32, **kw, breakdown=True)
+    olmo2 = estimate(h, 4, 24, 2, torch.float32, **kw, residual="post-norm", qk_norm="projection", norm_stats=False,
+                     breakdown=True)
+    assert "norm_stats" not in olmo2
+    assert olmo2["attn_out"] == olmo2["mlp_out"] == t * h * 4
+    assert olmo2["qk_norm_in"] == t * (h + kv) * 4
+    assert sum(olmo2.values()) == sum(llama.values()) - llama["norm_stats"] + t * (2 * h + h + kv) * 4
+    none = estimate(h, 4, 24, 2, torch.float32, recompute="none", **kw, residual="post-norm", breakdown=True)
+    assert "ln1_out" not in none and none["product"] == t * 112 * 4  # no post-norm output is saved by a consumer
+    assert estimate(h, 4, 24, 2, torch.float32, **kw, scalar_multipliers=2) == sum(llama.values()) + 16
+    for bad, error in ((dict(residual="sandwich"), ValueError), (dict(qk_norm="head"), ValueError),
+                       (dict(norm_stats=1), TypeError), (dict(scalar_multipliers=-1), ValueError)):
+        with pytest.raises(error, match=next(iter(bad))):
+            estimate(h, 4, 24, 2, torch.float32, **kw, **bad)
