@@ -51,7 +51,8 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
 
     Converted Hugging Face layers of other forms (models/hf.py): `residual="post-norm"` (OLMo2: x +
     norm(attn(x)), x1 + norm(mlp(x1))) keeps the two norms' inputs, the o_proj output (t*h*e) and the
-    down_proj output (t*h*e_mlp), besides x and x1 that the projections read; no norm output is
+    down_proj output (t*h*e_mlp), besides x and x1 that the projections read (as their own casts, 3 of x
+    and 2 of x1, when the residual stream has another dtype: fp32 weights under autocast); no norm output is
     consumed by a saving op, so "none" adds only the product. `qk_norm="projection"` (q/k RMSNorm over the
     whole q_proj / k_proj output) keeps those outputs, t*(H*D + Hkv*D)*e, besides q and k after RoPE.
     `norm_stats=False`: the norms keep no rstd (norms that run their own forward again in backward).
@@ -91,6 +92,12 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
             parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * 2 * t * acc
         if residual == "post-norm":
             parts.update(attn_out=t * h * e, mlp_out=t * h * em)
+            # x and x1 feed Linears directly (no norm output to rebuild casts from): in a residual stream of
+            # another dtype (fp32 under autocast) each projection keeps its own cast instead (q, k, v; gate, up)
+            if er != e:
+                parts["x"] = 3 * t * h * e
+            if er != em:
+                parts["x1"] = 2 * t * h * em
         if qk_norm == "projection":
             parts["qk_norm_in"] = t * (num_heads + kv_heads) * head_dim * e
             if norm_stats:

@@ -149,3 +149,30 @@ def test_estimate_of_the_other_forms():
                        (dict(norm_stats=1), TypeError), (dict(scalar_multipliers=-1), ValueError)):
         with pytest.raises(error, match=next(iter(bad))):
             estimate(h, 4, 24, 2, torch.float32, **kw, **bad)
+
+
+class _Autocast(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kw):
+        with torch.autocast("cpu", torch.bfloat16):
+            return self.model(**kw)
+
+
+@pytest.mark.parametrize("name", ["phi3", "olmo2", "smollm3"])
+def test_kept_bytes_under_autocast_are_the_estimate(name):
+    """fp32 weights under bf16 autocast (Trainer's bf16=True): OLMo2's projections read the fp32 residual
+    stream directly, each keeping its own bf16 cast, which the estimate counts."""
+    ids, _ = hf_checks.batch(b=2, s=24, pad_rows=False)
+
+    def layers(n):
+        torch.manual_seed(0)
+        model = FAMILY[name].build(num_hidden_layers=n)().train()
+        model.config._attn_implementation = "sdpa"
+        return convert(model)
+
+    ours = hf_checks.kept_bytes_per_layer(lambda n: _Autocast(layers(n)), {"input_ids": ids})
+    layer = recomputable_layers(layers(1))[0]
+    assert ours == layer_estimate(layer, ids.shape[1], ids.shape[0], autocast_dtype=torch.bfloat16)
