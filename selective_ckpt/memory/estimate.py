@@ -22,7 +22,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
              dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
-             norms=2, **layer_kwargs):
+             norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -53,6 +53,15 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     "parallel" (attention and MLP both read the layer input x, as Cohere's and GPT-NeoX's
     use_parallel_residual layers do: no x1 is kept). `norms` is the number of norms the layer runs
     (statistics and, under "none", outputs per norm): 2, or 1 for one norm shared by both branches.
+
+    Converted Hugging Face layers of other forms (models/hf.py): `residual="post-norm"` (OLMo2: x +
+    norm(attn(x)), x1 + norm(mlp(x1))) keeps the two norms' inputs, the o_proj output (t*h*e) and the
+    down_proj output (t*h*e_mlp), besides x and x1 that the projections read (as their own casts, 3 of x
+    and 2 of x1, when the residual stream has another dtype: fp32 weights under autocast); no norm output is
+    consumed by a saving op, so "none" adds only the product. `qk_norm="projection"` (q/k RMSNorm over the
+    whole q_proj / k_proj output) keeps those outputs, t*(H*D + Hkv*D)*e, besides q and k after RoPE.
+    `norm_stats=False`: the norms keep no rstd (norms that run their own forward again in backward).
+    `scalar_multipliers`: products by a Python float keeping it as a 0-dim float64 tensor, 8 bytes each.
     """
     check_residual(residual, norms)
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
@@ -61,6 +70,14 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     check_positive_int(seq_len, "seq_len")
     check_positive_int(batch, "batch")
     check_mode(recompute)
+    if residual not in ("pre-norm", "post-norm"):
+        raise ValueError(f"residual must be 'pre-norm' or 'post-norm', got {residual!r}")
+    if qk_norm not in (None, "projection"):
+        raise ValueError(f"qk_norm must be None or 'projection' (q/k norms over the whole projection), got {qk_norm!r}")
+    if not isinstance(norm_stats, bool):
+        raise TypeError(f"norm_stats must be a bool, got {type(norm_stats).__name__}")
+    if scalar_multipliers != 0:
+        check_positive_int(scalar_multipliers, "scalar_multipliers")
     dtype = as_dtype(dtype)
     e = _size(dtype)
     er = _size(as_dtype(residual_dtype, "residual_dtype")) if residual_dtype is not None else e
@@ -79,11 +96,27 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         else:
             parts["fc1_out"] = t * ffn * em
         parts["lse"] = num_heads * t * acc
-        parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * norms * t * acc
+        if norm_stats:
+            parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * norms * t * acc
+        if residual == "post-norm":
+            parts.update(attn_out=t * h * e, mlp_out=t * h * em)
+            # x and x1 feed Linears directly (no norm output to rebuild casts from): in a residual stream of
+            # another dtype (fp32 under autocast) each projection keeps its own cast instead (q, k, v; gate, up)
+            if er != e:
+                parts["x"] = 3 * t * h * e
+            if er != em:
+                parts["x1"] = 2 * t * h * em
+        if qk_norm == "projection":
+            parts["qk_norm_in"] = t * (num_heads + kv_heads) * head_dim * e
+            if norm_stats:
+                parts["qk_norm_stats"] = 2 * t * acc
+        if scalar_multipliers:
+            parts["multipliers"] = 8 * scalar_multipliers
         if recompute == "none":
-            parts.update(ln1_out=t * h * e, ln2_out=t * h * e)
-            if norms == 1:
-                del parts["ln2_out"]
+            if residual != "post-norm":
+                parts.update(ln1_out=t * h * e, ln2_out=t * h * e)
+                if norms == 1:
+                    del parts["ln2_out"]
             parts["product" if gated else "gelu_out"] = t * ffn * e
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
@@ -95,7 +128,7 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     return parts if breakdown else sum(parts.values())
 
 
-RESIDUALS = ("pre-norm", "parallel")
+RESIDUALS = ("pre-norm", "parallel", "post-norm")
 
 
 def check_residual(residual, norms):

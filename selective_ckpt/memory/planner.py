@@ -27,9 +27,17 @@ class LayerShape:
     norm: str = "layernorm"
     activation: str = "gelu"
     sliding_window: int = None
-    # The residual form and norm count (memory.estimate): "parallel" layers keep no x1.
+    # What converted Hugging Face layers of other forms keep (memory.estimate's keywords of the same names):
+    # "parallel" layers keep no x1, "post-norm" ones their norms' inputs.
     residual: str = "pre-norm"
     norms: int = 2
+    qk_norm: str = None
+    norm_stats: bool = True
+    scalar_multipliers: int = 0
+
+    def kept_kwargs(self):
+        return {"residual": self.residual, "norms": self.norms, "qk_norm": self.qk_norm, "norm_stats": self.norm_stats,
+                "scalar_multipliers": self.scalar_multipliers}
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,
@@ -96,7 +104,7 @@ def _layer_figures(shape, batch, seq_len):
     """{mode: (kept bytes, re-run working set, cost)} for one layer."""
     kw = shape.layer_kwargs()
     est = functools.partial(estimate, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.dtype, shape.mlp_ratio,
-                            residual=shape.residual, norms=shape.norms, **kw)
+                            **kw, **shape.kept_kwargs())
     cost = functools.partial(recompute_flops, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.mlp_ratio,
                              causal=shape.causal, **kw)
     rerun = est("selective") - est("full")  # a full layer's re-run keeps its selective set again, once

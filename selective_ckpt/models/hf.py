@@ -24,19 +24,30 @@ from .patches import (
     dropout_forward,
     gelu_mlp_forward_factory,
     layer_norm_forward,
+    own_forward_norm,
+    packed_gate_up_mlp_forward,
     patch_forward,
     rms_norm_forward,
     swiglu_mlp_forward,
 )
 
-ROLES = ("norm", "attention", "mlp", "dropout")  # dropout: an nn.Dropout child of the layer (by seed, spec.dropout)
-MLP_LAYOUTS = ("gate_up", "fc")  # separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc)
+ROLES = ("norm", "attention", "mlp", "dropout")  # "dropout": an nn.Dropout child of the layer (Phi-3's residual ones)
+# separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc); one gate_up_proj whose output
+# is chunked into gate and up (Phi-3)
+MLP_LAYOUTS = ("gate_up", "fc", "packed_gate_up")
 GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.swiglu_mlp_forward reads
+PACKED_GATE_UP_CHILDREN = ("gate_up_proj", "down_proj", "activation_fn")  # patches.packed_gate_up_mlp_forward
+_ACTIVATION_CHILD = {"gate_up": 3, "fc": 1, "packed_gate_up": 2}  # index of the activation in MLPSpec.children
 # Residual forms the driver converts. Patching leaves the layer's own forward in place, so any form
-# would compute right; the memory estimate (memory/estimate.py) counts pre-norm layers (two norms).
+# would compute right; the memory estimate (memory/estimate.py) counts what each keeps:
+# "pre-norm": x + attn(norm(x)), then x1 + mlp(norm(x1));
 # "parallel": attention and MLP both read the layer input (x + attn(norm(x)) + mlp(norm'(x)), one norm shared or
-# one each); a spec's shape reader tells memory.estimate each layer's form (residual_shape).
-RESIDUALS = ("pre-norm", "parallel")
+# one each); a spec's shape reader tells memory.estimate each layer's form (residual_shape);
+# "post-norm" (OLMo2): x + norm(attn(x)), then x1 + norm(mlp(x1)): the norms' inputs are the o_proj and
+# down_proj outputs, and x, x1 are what the projections read.
+RESIDUALS = ("pre-norm", "parallel", "post-norm")
+# q/k norms (ModelSpec.qk_norm): per head over head_dim (Qwen3), or over the whole q_proj / k_proj output (OLMo2)
+QK_NORMS = (False, True, "projection")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +55,10 @@ class NormSpec:
     kind: str  # "rmsnorm" (y = x * rstd * (offset + w)) or "layernorm" (affine, with or without bias)
     cls: object  # the norm's class name, or the class itself (matched exactly: nn.LayerNorm, not subclasses)
     offset: float = 0.0
+    # "llama": w * T(x * rstd) (or Gemma's T(x * rstd * (offset + w))) by the fused kernel; "float32_scale":
+    # T(w * (x * rstd)) scaled in float32 and rounded once (OLMo2), computed by the norm's own forward,
+    # which keeps only x and runs again in backward (patches.own_forward_norm)
+    rounding: str = "llama"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +80,8 @@ class ModelSpec:
     mlp: MLPSpec
     shape: object  # shape reader (layer, config, spec) -> LayerShape fields (memory.planner)
     residual: str = "pre-norm"
-    qk_norm: bool = False  # attention holds q_norm and k_norm (of the spec's norm class), per head
+    qk_norm: object = False  # attention holds q_norm and k_norm (of the spec's norm class): True per head,
+    # "projection" over the whole q_proj / k_proj output
     dropout: bool = False  # every nn.Dropout of the model keeps a seed instead of a mask
     check: object = None  # extra checks (root, name) raising ConversionError, or None
     patches: object = None  # extra patches (root) -> [(module, forward), ...] after the checks, or None
@@ -76,6 +92,12 @@ class ModelSpec:
             raise ValueError(f"model spec {self.model_types}: a layer with dropout children needs dropout=True")
         if self.mlp.layout == "gate_up" and tuple(self.mlp.children) != GATE_UP_CHILDREN:
             raise ValueError(f"model spec {self.model_types}: a gate_up MLP has the children {GATE_UP_CHILDREN}")
+        if self.mlp.layout == "packed_gate_up" and tuple(self.mlp.children) != PACKED_GATE_UP_CHILDREN:
+            raise ValueError(f"model spec {self.model_types}: a packed_gate_up MLP has the children "
+                             f"{PACKED_GATE_UP_CHILDREN}")
+        if self.qk_norm not in QK_NORMS or self.norm.rounding not in ("llama", "float32_scale"):
+            raise ValueError(f"model spec {self.model_types}: qk_norm {self.qk_norm!r} (one of {QK_NORMS}), norm "
+                             f"rounding {self.norm.rounding!r} (\"llama\" or \"float32_scale\")")
         if bad or self.norm.kind not in NORMS or self.mlp.layout not in MLP_LAYOUTS or self.residual not in RESIDUALS:
             raise ValueError(f"model spec {self.model_types}: roles {bad or 'ok'}, norm {self.norm.kind!r}, MLP layout "
                              f"{self.mlp.layout!r}, residual {self.residual!r}; the driver knows roles {ROLES}, "
@@ -116,7 +138,7 @@ def _check_norm(norm, name, spec):
 
 
 def _mlp_activation(mlp, spec):
-    return getattr(mlp, spec.mlp.children[3] if spec.mlp.layout == "gate_up" else spec.mlp.children[1])
+    return getattr(mlp, spec.mlp.children[_ACTIVATION_CHILD[spec.mlp.layout]])
 
 
 def _check_activation(mlp, name, model_type, spec):
@@ -149,6 +171,9 @@ def plan(root, spec, model_type):
                 _check_norm(module, f"{lname}.{child}", spec)
             elif role == "attention":
                 check_children(module, f"{lname}.{child}", attention_children, model_type)
+            elif role == "dropout":
+                if not spec.dropout:
+                    raise ValueError(f"model spec {spec.model_types}: a dropout child needs dropout=True")
             elif role == "mlp":
                 check_children(module, f"{lname}.{child}", spec.mlp.children, model_type)
                 _check_activation(module, f"{lname}.{child}", model_type, spec)
@@ -165,6 +190,8 @@ def plan(root, spec, model_type):
 
 
 def _norm_forward(norm):
+    if norm.rounding == "float32_scale":
+        return own_forward_norm
     if norm.kind == "layernorm":
         return layer_norm_forward
     return rms_norm_forward if norm.offset == 0 else functools.partial(rms_norm_forward, offset=float(norm.offset))
@@ -173,6 +200,8 @@ def _norm_forward(norm):
 def _mlp_forward(mlp):
     if mlp.layout == "gate_up":
         return swiglu_mlp_forward
+    if mlp.layout == "packed_gate_up":
+        return packed_gate_up_mlp_forward
     fc_in, act, fc_out, *dropout = mlp.children
     return gelu_mlp_forward_factory(fc_in, act, fc_out, dropout[0] if dropout else None)
 
@@ -184,7 +213,7 @@ def layer_activation(layer, spec):
     other); a plain one keeps its fc_in output ("gelu_tanh" for tanh-GELU, "gelu" for any other).
     """
     kernel = kernel_activation(_mlp_activation(getattr(layer, _child_of_role(spec, "mlp")), spec))
-    if spec.mlp.layout == "gate_up":
+    if spec.mlp.layout in ("gate_up", "packed_gate_up"):
         return "swiglu" if kernel == "silu" else "geglu"
     return "gelu_tanh" if kernel == "gelu_tanh" else "gelu"
 

@@ -72,6 +72,16 @@ def _weighted_rms_norm(x, ones, rstd, weight):
     return weight * rms_norm_apply(x, ones, rstd, 0.0)
 
 
+# --- A norm in a rounding order the kernels do not have (OLMo2's T(w * (x * rstd)), scaled in float32 and
+# rounded once): the module's own forward, in an autograd node that keeps x only and runs that forward again
+# under autograd in backward (the statistics are recomputed with it); the output is rebuilt from x.
+
+def own_forward_norm(self, x):
+    """The norm's original forward, bit for bit, keeping its input only (see _ModuleActivation)."""
+    out = _ModuleActivation.apply(self, x, None, *self.parameters())
+    return recompute.discardable(out, _module_product, self, x, None)
+
+
 # --- Activations: the module's own activation, through the kernels when it is one of theirs.
 
 class _GELU(torch.autograd.Function):
@@ -94,6 +104,11 @@ def gelu(h, approximate):
     return recompute.discardable(a, gelu_op, h.contiguous(), approximate)
 
 
+def _own(module):
+    """The module's own forward: the original one of a patched module (own_forward_norm), else module.forward."""
+    return getattr(module, PATCHED, None) or module.forward
+
+
 class _ModuleActivation(torch.autograd.Function):
     """act(h) (times up) by an activation module's own forward, keeping h (and up) only: backward runs
     the forward again under autograd. An activation that saves its output (ReLU) would keep it otherwise."""
@@ -102,7 +117,7 @@ class _ModuleActivation(torch.autograd.Function):
     def forward(ctx, module, h, up, *params):
         ctx.module = module
         ctx.save_for_backward(h, up)
-        a = module.forward(h)
+        a = _own(module)(h)
         return a if up is None else a * up
 
     @staticmethod
@@ -113,7 +128,7 @@ class _ModuleActivation(torch.autograd.Function):
         params = [p for p, need in zip(ctx.module.parameters(), needs[3:]) if need]
         with torch.enable_grad():
             h_ = h.detach().requires_grad_(needs[1])
-            a = ctx.module.forward(h_)
+            a = _own(ctx.module)(h_)
         inputs = ([h_] if needs[1] else []) + params
         dup = grad * a.detach() if up is not None and needs[2] else None
         da = grad if up is None else grad * up
@@ -125,7 +140,7 @@ class _ModuleActivation(torch.autograd.Function):
 
 def _module_product(module, h, up):
     with torch.no_grad():
-        a = module.forward(h)
+        a = _own(module)(h)
         return a if up is None else a * up
 
 
@@ -156,6 +171,14 @@ def swiglu_mlp_forward(self, x):
     """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(act_fn(gate(x)) * up(x)), projections as modules."""
     gate, up = self.gate_proj(x), self.up_proj(x)
     return self.down_proj(activate(self.act_fn, gate, up))
+
+
+def packed_gate_up_mlp_forward(self, x):
+    """Phi3MLP: gate and up are the two halves of the one gate_up_proj output (as transformers chunks it);
+    the product act(gate) * up (transformers' up * act(gate), the same bits) is rebuilt from them, so
+    the packed output is all the MLP keeps before down_proj."""
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(activate(self.activation_fn, gate, up))
 
 
 # --- Dropout by seed: 8 bytes kept instead of a mask.
