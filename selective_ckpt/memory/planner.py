@@ -27,6 +27,8 @@ class LayerShape:
     norm: str = "layernorm"
     activation: str = "gelu"
     sliding_window: int = None
+    qk_norm: bool = False  # per-head q/k norms keep their inputs (memory.estimate)
+    post_norms: bool = False  # norms on the attention and MLP outputs keep them (memory.estimate)
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,
@@ -93,7 +95,7 @@ def _layer_figures(shape, batch, seq_len):
     """{mode: (kept bytes, re-run working set, cost)} for one layer."""
     kw = shape.layer_kwargs()
     est = functools.partial(estimate, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.dtype, shape.mlp_ratio,
-                            **kw)
+                            qk_norm=shape.qk_norm, post_norms=shape.post_norms, **kw)
     cost = functools.partial(recompute_flops, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.mlp_ratio,
                              causal=shape.causal, **kw)
     rerun = est("selective") - est("full")  # a full layer's re-run keeps its selective set again, once

@@ -33,8 +33,10 @@ ROLES = ("norm", "attention", "mlp")
 MLP_LAYOUTS = ("gate_up", "fc")  # separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc)
 GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.swiglu_mlp_forward reads
 # Residual forms the driver converts. Patching leaves the layer's own forward in place, so any form
-# would compute right; the memory estimate (memory/estimate.py) counts pre-norm layers (two norms).
-RESIDUALS = ("pre-norm",)
+# would compute right; the memory estimate (memory/estimate.py) counts pre-norm layers (two norms) and
+# "sandwich" ones (Gemma2/3: x1 = x + post_norm(attn(pre_norm(x))), y = x1 + post_norm(mlp(pre_norm(x1))),
+# four norms, whose post-norms keep o_proj's and down_proj's outputs: post_norms=True).
+RESIDUALS = ("pre-norm", "sandwich")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,8 +199,14 @@ def config_shape(layer, config, spec):
                          "estimates cover layers with head_dim = hidden / heads only")
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     kv = getattr(config, "num_key_value_heads", None) or heads
-    return dict(hidden_dim=h, num_heads=heads, num_kv_heads=kv, ffn_dim=ffn, mlp_ratio=ffn / h, norm=spec.norm.kind,
-                activation=layer_activation(layer, spec), sliding_window=getattr(attn, "sliding_window", None) or None)
+    fields = dict(hidden_dim=h, num_heads=heads, num_kv_heads=kv, ffn_dim=ffn, mlp_ratio=ffn / h, norm=spec.norm.kind,
+                  activation=layer_activation(layer, spec),
+                  sliding_window=getattr(attn, "sliding_window", None) or None)
+    if spec.qk_norm:
+        fields["qk_norm"] = True  # the q/k norms keep their inputs and statistics (memory.estimate)
+    if spec.residual == "sandwich":
+        fields["post_norms"] = True  # the post-norms keep o_proj's and down_proj's outputs and statistics
+    return fields
 
 
 def llama_shaped(model_type, prefix, **overrides):
