@@ -16,3 +16,19 @@ FAMILIES = [
     Family("gemma", transformers.GemmaConfig, transformers.GemmaForCausalLM, _BASE,
            heads=(transformers.GemmaForSequenceClassification, transformers.GemmaForTokenClassification)),
 ]
+
+# soft-capping off (the converted kernels refuse it); a window shorter than the sequence. Gemma2's layers
+# alternate sliding, global, ... (its default layer_types, so any layer count builds); Gemma3's first five
+# are sliding (its default pattern): a model with both kinds computes a second rope table, which a
+# 2-layer minus 1-layer measure would count as the layer's (tests/models/test_hf_gemma.py alternates them)
+_SANDWICH = {**_BASE, "sliding_window": 5, "query_pre_attn_scalar": 24, "attn_logit_softcapping": None,
+             "final_logit_softcapping": None}
+
+FAMILIES += [
+    Family("gemma2", transformers.Gemma2Config, transformers.Gemma2ForCausalLM, _SANDWICH,
+           heads=(transformers.Gemma2ForSequenceClassification, transformers.Gemma2ForTokenClassification)),
+    Family("gemma3_text", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+           {**_SANDWICH, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+           heads=(transformers.Gemma3TextForSequenceClassification,)),
+]
