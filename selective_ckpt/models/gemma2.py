@@ -1,8 +1,9 @@
 """Hugging Face Gemma2: (1 + w) RMSNorm, GeGLU (tanh GELU), a norm before and after each block (the
 "sandwich" residual form: four norms a layer, whose post-norms keep o_proj's and down_proj's outputs),
 query_pre_attn_scalar as the attention scale (transformers passes it as `scaling`) and sliding and global
-layers alternating (each attention module's own sliding_window). Soft-capping and bidirectional
-attention are checked before anything changes (`check_gemma`)."""
+layers alternating (each attention module's own sliding_window). The final-logit soft-capping
+runs in the fused loss head; attention-logit soft-capping and bidirectional attention are refused before
+anything changes (`check_gemma`)."""
 
 from .common import ConversionError
 from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, config_shape
@@ -10,12 +11,13 @@ from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, config_shape
 
 def check_gemma(root, name):
     """ConversionError, before any change, for what a Gemma2/Gemma3 config asks that the converted model does
-    not reproduce: bidirectional attention, attention-logit soft-capping and final-logit soft-capping."""
+    not reproduce: bidirectional attention and attention-logit soft-capping. (Final-logit soft-capping runs in
+    the fused loss head: models/loss_head.py.)"""
     config = root.config
     if getattr(config, "use_bidirectional_attention", False):
         raise ConversionError(f"{name}: use_bidirectional_attention=True is not supported; selective_ckpt "
                               "attention is causal")
-    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+    for field in ("attn_logit_softcapping",):
         if getattr(config, field, None) is not None:
             raise ConversionError(f"{name}: config.{field}={getattr(config, field)} (soft-capping) is not "
                                   f"supported by the converted kernels; set config.{field}=None to train without it")

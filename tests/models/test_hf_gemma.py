@@ -1,6 +1,7 @@
 """Gemma2 and Gemma3 text specifics: sliding and global layers alternating (with Gemma3's two rope bases)
-against float64, and the refusals of what the converted model does not reproduce (soft-capping,
-bidirectional attention), raised before anything changes."""
+against float64, final-logit soft-capping through the fused loss head, and the refusals of what the
+converted model does not reproduce (attention soft-capping, bidirectional attention), raised before
+anything changes."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from selective_ckpt.models.patches import PATCHED
 from selective_ckpt.registry import recomputable_layers, state_of
 from tests.models.families.gemma import FAMILIES
 from tests.models.hf_checks import assert_matches_reference, batch, triple
+from tests.reference import assert_within_rule
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,8 +59,7 @@ def _untouched(model, attn):
 
 
 @pytest.mark.parametrize("family", SANDWICH, ids=str)
-@pytest.mark.parametrize("field, value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
-                                          ("use_bidirectional_attention", True)])
+@pytest.mark.parametrize("field, value", [("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)])
 def test_refusals_name_the_setting_and_change_nothing(family, field, value):
     model = family.build(**{field: value})()
     model.config._attn_implementation = "eager"
@@ -68,12 +69,37 @@ def test_refusals_name_the_setting_and_change_nothing(family, field, value):
     assert not recomputable_layers(model)
 
 
-def test_gemma2_default_config_is_refused_for_its_soft_capping():
-    """Gemma2's defaults soft-cap both the attention scores (50) and the final logits (30)."""
+def test_gemma2_default_config_is_refused_for_its_attention_soft_capping():
+    """Gemma2's defaults soft-cap the attention scores (50), which the attention kernels do not reproduce."""
     config = transformers.Gemma2Config(**{k: v for k, v in SANDWICH[0].tiny.items() if "softcapping" not in k})
     assert config.attn_logit_softcapping == 50.0 and config.final_logit_softcapping == 30.0
-    with pytest.raises(ConversionError, match="softcapping"):
+    with pytest.raises(ConversionError, match="attn_logit_softcapping"):
         convert(transformers.Gemma2ForCausalLM(config))
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@sandwich
+def test_final_logit_soft_capping_through_the_loss_head(family):
+    """The training loss with final_logit_softcapping comes from the fused head (no logits) and follows the
+    float64 reference as the unconverted model does; the cap changes the loss, so it is applied."""
+    ids, _ = batch(pad_rows=False)
+    losses = {}
+    for cap in (None, 0.5):
+        ref, plain, ours = triple(family.build(final_logit_softcapping=cap))
+        (r, rg), (p, pg), (o, og) = (_loss_and_grads(m, ids) for m in (ref, plain, ours))
+        assert ours(input_ids=ids, labels=ids).logits is None  # the fused head made no logits
+        assert_within_rule(o, p, r, 2, name="loss")
+        assert set(og) == set(rg)
+        for n in rg:
+            assert_within_rule(og[n], pg[n], rg[n], 3, floor=1e-5, name=f"grad {n}")
+        losses[cap] = float(o)
+    assert abs(losses[None] - losses[0.5]) > 1e-3
 
 
 def test_gemma_norms_use_their_offset():

@@ -17,7 +17,8 @@ FAMILIES = [
            heads=(transformers.GemmaForSequenceClassification, transformers.GemmaForTokenClassification)),
 ]
 
-# soft-capping off (the converted kernels refuse it); a window shorter than the sequence. Gemma2's layers
+# attention soft-capping off (the converted kernels refuse it), a final-logit cap of 5 (the fused loss head
+# applies it; Gemma3's default is none); a window shorter than the sequence. Gemma2's layers
 # alternate sliding, global, ... (its default layer_types, so any layer count builds); Gemma3's first five
 # are sliding (its default pattern): a model with both kinds computes a second rope table, which a
 # 2-layer minus 1-layer measure would count as the layer's (tests/models/test_hf_gemma.py alternates them)
@@ -25,7 +26,8 @@ _SANDWICH = {**_BASE, "sliding_window": 5, "query_pre_attn_scalar": 24, "attn_lo
              "final_logit_softcapping": None}
 
 FAMILIES += [
-    Family("gemma2", transformers.Gemma2Config, transformers.Gemma2ForCausalLM, _SANDWICH,
+    Family("gemma2", transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+           {**_SANDWICH, "final_logit_softcapping": 5.0},
            heads=(transformers.Gemma2ForSequenceClassification, transformers.Gemma2ForTokenClassification)),
     Family("gemma3_text", transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
            {**_SANDWICH, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
