@@ -22,7 +22,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
              dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
-             norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, **layer_kwargs):
+             norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, post_norms=False, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -62,6 +62,13 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     whole q_proj / k_proj output) keeps those outputs, t*(H*D + Hkv*D)*e, besides q and k after RoPE.
     `norm_stats=False`: the norms keep no rstd (norms that run their own forward again in backward).
     `scalar_multipliers`: products by a Python float keeping it as a 0-dim float64 tensor, 8 bytes each.
+
+    `qk_norm=True` (Qwen3, Gemma3: an RMSNorm per head on q and k before RoPE): each norm keeps its
+    input, the q/k projection outputs t*(H + Hkv)*D*e (attention keeps the rotated q, k besides), and
+    an fp32 rstd per head and token, t*(H + Hkv)*4. `post_norms=True` (Gemma2, Gemma3: an RMSNorm on
+    the attention and on the MLP output before each residual add, four norms a layer): each keeps its
+    input, a matmul output (o_proj's t*h*e, down_proj's t*h*e_mlp), and its rstd, t*4 each. Their
+    outputs feed RoPE or a residual add, which keep none of them, so "none" adds nothing for them.
     """
     check_residual(residual, norms)
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
@@ -118,6 +125,11 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
                 if norms == 1:
                     del parts["ln2_out"]
             parts["product" if gated else "gelu_out"] = t * ffn * e
+        if qk_norm is True:
+            parts.update(qk_norm_in=t * (num_heads + kv_heads) * head_dim * e,
+                         qk_norm_stats=t * (num_heads + kv_heads) * acc)
+        if post_norms:
+            parts.update(attn_out=t * h * e, mlp_out=t * h * em, post_norm_stats=2 * t * acc)
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
         sites = (attn_dropout > 0) + 2 * (dropout > 0)

@@ -28,16 +28,18 @@ class LayerShape:
     activation: str = "gelu"
     sliding_window: int = None
     # What converted Hugging Face layers of other forms keep (memory.estimate's keywords of the same names):
-    # "parallel" layers keep no x1, "post-norm" ones their norms' inputs.
+    # "parallel" layers keep no x1, "post-norm" ones their norms' inputs; qk_norm True (per head) or
+    # "projection"; post_norms: Gemma's norms on the attention and MLP outputs.
     residual: str = "pre-norm"
     norms: int = 2
-    qk_norm: str = None
+    qk_norm: object = None
     norm_stats: bool = True
     scalar_multipliers: int = 0
+    post_norms: bool = False
 
     def kept_kwargs(self):
         return {"residual": self.residual, "norms": self.norms, "qk_norm": self.qk_norm, "norm_stats": self.norm_stats,
-                "scalar_multipliers": self.scalar_multipliers}
+                "scalar_multipliers": self.scalar_multipliers, "post_norms": self.post_norms}
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,

@@ -44,8 +44,10 @@ _ACTIVATION_CHILD = {"gate_up": 3, "fc": 1, "packed_gate_up": 2}  # index of the
 # "parallel": attention and MLP both read the layer input (x + attn(norm(x)) + mlp(norm'(x)), one norm shared or
 # one each); a spec's shape reader tells memory.estimate each layer's form (residual_shape);
 # "post-norm" (OLMo2): x + norm(attn(x)), then x1 + norm(mlp(x1)): the norms' inputs are the o_proj and
-# down_proj outputs, and x, x1 are what the projections read.
-RESIDUALS = ("pre-norm", "parallel", "post-norm")
+# down_proj outputs, and x, x1 are what the projections read;
+# "sandwich" (Gemma2/3): x1 = x + post_norm(attn(pre_norm(x))), y = x1 + post_norm(mlp(pre_norm(x1))), four
+# norms, whose post-norms keep o_proj's and down_proj's outputs (post_norms=True).
+RESIDUALS = ("pre-norm", "parallel", "post-norm", "sandwich")
 # q/k norms (ModelSpec.qk_norm): per head over head_dim (Qwen3), or over the whole q_proj / k_proj output (OLMo2)
 QK_NORMS = (False, True, "projection")
 
@@ -234,8 +236,14 @@ def config_shape(layer, config, spec):
                          "estimates cover layers with head_dim = hidden / heads only")
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     kv = getattr(config, "num_key_value_heads", None) or heads
-    return dict(hidden_dim=h, num_heads=heads, num_kv_heads=kv, ffn_dim=ffn, mlp_ratio=ffn / h, norm=spec.norm.kind,
-                activation=layer_activation(layer, spec), sliding_window=getattr(attn, "sliding_window", None) or None)
+    fields = dict(hidden_dim=h, num_heads=heads, num_kv_heads=kv, ffn_dim=ffn, mlp_ratio=ffn / h, norm=spec.norm.kind,
+                  activation=layer_activation(layer, spec),
+                  sliding_window=getattr(attn, "sliding_window", None) or None)
+    if spec.qk_norm:
+        fields["qk_norm"] = spec.qk_norm  # the q/k norms keep their inputs and statistics (memory.estimate)
+    if spec.residual == "sandwich":
+        fields["post_norms"] = True  # the post-norms keep o_proj's and down_proj's outputs and statistics
+    return fields
 
 
 def residual_shape(layer, config, spec, parallel=None):

@@ -131,7 +131,8 @@ class _HeadCapture:
             raise RuntimeError(f"{type(self.model).__name__}: its forward changes the logits between lm_head and the "
                                "loss, which the fused loss head does not reproduce")
         self.loss_computed = True
-        hidden = self.hidden * logits.scale() if logits.steps else self.hidden
+        factor, softcap = logits.scale_and_softcap()
+        hidden = self.hidden * factor if factor != 1.0 else self.hidden
         if shift_labels is None:
             labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
             shift_labels = labels[..., 1:]
@@ -146,9 +147,9 @@ class _HeadCapture:
             if linear.out_features != vocab_size:
                 raise ValueError(f"lm_head has {linear.out_features} outputs, config.vocab_size is {vocab_size}")
             return linear_cross_entropy(flat, linear.weight, shift_labels, linear.bias, ignore_index=ignore_index,
-                                        num_items_in_batch=num_items_in_batch)
+                                        softcap=softcap, num_items_in_batch=num_items_in_batch)
         return module_cross_entropy(self.head_forward, flat, shift_labels, vocab_size, ignore_index,
-                                    num_items_in_batch)
+                                    num_items_in_batch, softcap=softcap)
 
     def without_logits(self, out):
         if not self.loss_computed:
@@ -163,8 +164,10 @@ class _HeadCapture:
 class LogitSteps(torch.Tensor):
     """What lm_head returns during a captured forward: no logits, only the record of the elementwise steps
     the model's forward applies to them before its loss (Granite's `/ logits_scaling`, Cohere's
-    `* logit_scale`). A scale folds into the hidden states the fused head reads; any other operation on
-    the logits is an error naming it, before an N x vocab tensor would be made."""
+    `* logit_scale`, Gemma's final soft-capping `/ cap -> tanh -> * cap`). Scales fold into the hidden
+    states the fused head reads; one tanh between scales becomes the head's `softcap`
+    (scale_and_softcap); any other operation on the logits is an error naming it, before an N x vocab
+    tensor would be made."""
 
     _SCALES = {torch.Tensor.__mul__: 1, torch.Tensor.__rmul__: 1, torch.Tensor.mul: 1, torch.mul: 1,
                torch.Tensor.__truediv__: -1, torch.Tensor.div: -1, torch.div: -1}
@@ -183,6 +186,8 @@ class LogitSteps(torch.Tensor):
             factor = float(args[1]) ** cls._SCALES[func]
             return LogitSteps.wrap(args[0].as_subclass(torch.Tensor), args[0].capture,
                                    args[0].steps + (("scale", factor),))
+        if func in cls._TANH and len(args) == 1 and not kwargs and isinstance(args[0], LogitSteps):
+            return LogitSteps.wrap(args[0].as_subclass(torch.Tensor), args[0].capture, args[0].steps + (("tanh", 1.0),))
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         # attribute reads (.shape, .data: `__get__`) pass; an operation that makes logits is refused
@@ -192,17 +197,38 @@ class LogitSteps(torch.Tensor):
                                "eval mode or call it without labels to get plain logits)")
         return result
 
-    def scale(self):
-        factor = 1.0
-        for _, f in self.steps:
-            factor *= f
-        return factor
+    _TANH = (torch.tanh, torch.Tensor.tanh)
+
+    def scale_and_softcap(self):
+        """(factor, softcap): the steps as softcap * tanh(factor * z / softcap) of the plain logits z (softcap
+        None: factor * z). Scales a before one tanh and c after it give c * tanh(a z), so softcap = c and
+        factor = a * c; a non-positive c, or more than one tanh, is an error naming the steps."""
+        kinds = [k for k, _ in self.steps]
+        if kinds.count("tanh") > 1:
+            raise RuntimeError(f"the model's forward applies tanh to the logits {kinds.count('tanh')} times; the "
+                               "fused loss head reproduces one soft-capping c * tanh(a * logits) only")
+        before, after = 1.0, 1.0
+        seen_tanh = False
+        for kind, f in self.steps:
+            if kind == "tanh":
+                seen_tanh = True
+            elif seen_tanh:
+                after *= f
+            else:
+                before *= f
+        if not seen_tanh:
+            return before, None
+        if not after > 0:
+            raise RuntimeError(f"the model's forward soft-caps the logits as {after} * tanh(...); the fused loss head "
+                               "reproduces a positive cap only")
+        return before * after, after
 
 
-def module_cross_entropy(forward, hidden, labels, vocab, ignore_index=-100, num_items_in_batch=None):
+def module_cross_entropy(forward, hidden, labels, vocab, ignore_index=-100, num_items_in_batch=None, softcap=None):
     """ForCausalLMLoss of `forward(hidden)` (a head module's forward, [N, h] -> [N, vocab]) computed on
     chunks of rows, each under activation checkpointing: a chunk's logits exist only while it is
-    computed and again while its backward runs. Mean over non-ignored labels, or sum / num_items_in_batch."""
+    computed and again while its backward runs. Mean over non-ignored labels, or sum / num_items_in_batch.
+    `softcap` caps each chunk's logits as softcap * tanh(z / softcap) first (in the cross-entropy kernels)."""
     labels = check_labels(labels, vocab, ignore_index)
     n_tokens, h = hidden.shape
     rows = chunk_rows(n_tokens, vocab, h, max(4, hidden.element_size()))  # logits may come out in float32
@@ -211,7 +237,7 @@ def module_cross_entropy(forward, hidden, labels, vocab, ignore_index=-100, num_
         z = forward(x)
         if z.shape != (x.shape[0], vocab):
             raise ValueError(f"lm_head gave logits of shape {list(z.shape)}, expected [{x.shape[0]}, {vocab}]")
-        return logits_cross_entropy(z, y, ignore_index).sum()
+        return logits_cross_entropy(z, y, ignore_index, softcap=softcap).sum()
 
     total = None
     for start in range(0, n_tokens, rows):

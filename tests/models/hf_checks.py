@@ -93,7 +93,9 @@ def check_family_basics(build, tmp_path, model_cls):
     assert_matches_reference(ref, plain, ours, input_ids=ids)
     assert_same_state(ours, plain)
     ours.save_pretrained(tmp_path / "ours")
-    back = model_cls.from_pretrained(tmp_path / "ours", attn_implementation="sdpa")
+    # a family that refuses SDPA at loading (Gemma2, for its soft-capping) loads on eager: only its state is compared
+    back = model_cls.from_pretrained(tmp_path / "ours", attn_implementation="sdpa" if model_cls._supports_sdpa else
+                                     "eager")
     assert_same_state(back, plain)
     plain.save_pretrained(tmp_path / "plain")
     ours2 = convert(model_cls.from_pretrained(tmp_path / "plain"))

@@ -1,0 +1,39 @@
+"""Hugging Face Gemma2: (1 + w) RMSNorm, GeGLU (tanh GELU), a norm before and after each block (the
+"sandwich" residual form: four norms a layer, whose post-norms keep o_proj's and down_proj's outputs),
+query_pre_attn_scalar as the attention scale (transformers passes it as `scaling`) and sliding and global
+layers alternating (each attention module's own sliding_window). The final-logit soft-capping
+runs in the fused loss head; attention-logit soft-capping and bidirectional attention are refused before
+anything changes (`check_gemma`)."""
+
+from .common import ConversionError
+from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, config_shape
+
+
+def check_gemma(root, name):
+    """ConversionError, before any change, for what a Gemma2/Gemma3 config asks that the converted model does
+    not reproduce: bidirectional attention and attention-logit soft-capping. (Final-logit soft-capping runs in
+    the fused loss head: models/loss_head.py.)"""
+    config = root.config
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ConversionError(f"{name}: use_bidirectional_attention=True is not supported; selective_ckpt "
+                              "attention is causal")
+    for field in ("attn_logit_softcapping",):
+        if getattr(config, field, None) is not None:
+            raise ConversionError(f"{name}: config.{field}={getattr(config, field)} (soft-capping) is not "
+                                  f"supported by the converted kernels; set config.{field}=None to train without it")
+
+
+def gemma_spec(model_type, prefix, qk_norm=False):
+    """The spec of a Gemma2-shaped family: <prefix>DecoderLayer of input_layernorm -> self_attn ->
+    post_attention_layernorm, pre_feedforward_layernorm -> mlp -> post_feedforward_layernorm."""
+    return ModelSpec(model_types=(model_type,), layer=f"{prefix}DecoderLayer",
+                     children=(("input_layernorm", "norm"), ("self_attn", "attention"),
+                               ("post_attention_layernorm", "norm"), ("pre_feedforward_layernorm", "norm"),
+                               ("post_feedforward_layernorm", "norm"), ("mlp", "mlp")),
+                     norm=NormSpec("rmsnorm", f"{prefix}RMSNorm", offset=1.0), attention=f"{prefix}Attention",
+                     attention_children=("q_proj", "k_proj", "v_proj", "o_proj"),
+                     mlp=MLPSpec(f"{prefix}MLP", "gate_up", GATE_UP_CHILDREN), shape=config_shape,
+                     residual="sandwich", qk_norm=qk_norm, check=check_gemma)
+
+
+SPEC = gemma_spec("gemma2", "Gemma2")
