@@ -21,7 +21,8 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
-             dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, **layer_kwargs):
+             dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, moe=None,
+             **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -47,6 +48,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     input's dtype; default `dtype`). `lora` (memory.LoRA) adds its rank terms: each adapted projection
     keeps lora_A's output (rank elements per token in lora.dtype) and, with dropout, an 8-byte seed;
     everything else LoRA reads (its dropped and cast inputs) is rebuilt.
+
+    `moe` (memory.MoE): the layer's MLP is a sparse mixture of experts instead of one gated MLP; its
+    parts (routed rows, router, shared expert; see MoE) replace gate_out and up_out.
     """
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
     gated = layer_kwargs.get("activation", "gelu") in GATED_ACTIVATIONS
@@ -65,7 +69,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         parts = {"x": t * h * er}
     else:
         parts = {"x": t * h * er, "qkv": t * (h + 2 * kv_heads * head_dim) * e, "o": t * h * e, "x1": t * h * er}
-        if gated:
+        if moe is not None:
+            parts.update(moe.kept(t, em, e, recompute))
+        elif gated:
             parts.update(gate_out=t * ffn * em, up_out=t * ffn * em)
         else:
             parts["fc1_out"] = t * ffn * em
@@ -73,7 +79,8 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * 2 * t * acc
         if recompute == "none":
             parts.update(ln1_out=t * h * e, ln2_out=t * h * e)
-            parts["product" if gated else "gelu_out"] = t * ffn * e
+            if moe is None:
+                parts["product" if gated else "gelu_out"] = t * ffn * e
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
         sites = (attn_dropout > 0) + 2 * (dropout > 0)
@@ -114,6 +121,58 @@ class LoRA:
                  "lora_scaling": 8 * len(self.ranks)}
         if self.dropout > 0:
             parts["lora_seeds"] = 8 * len(self.ranks)
+        return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    """A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE as converted), for `estimate`.
+
+    `num_experts` experts of width `expert_dim`, `top_k` of them per token: t*top_k routed rows, each
+    keeping its expert's gate and up outputs (2*expert_dim elements of the MLP's dtype); act(gate) * up,
+    the expert's down output and the routed-weighted product are rebuilt in backward. The router, as
+    transformers computes it, keeps the fp32 softmax over the experts (t*num_experts*4 bytes), top-k's
+    indices (t*top_k int64) and the routing weights (t*top_k elements of `weights_dtype`, None: the
+    layer's dtype); with `norm_topk_prob` also their fp32 sum per token and, when the weights are not
+    float32, the fp32 normalised weights. `shared_dim` > 0: a shared expert of that width keeps its gate and up
+    outputs and its sigmoid gate's output (one element per token, in the layer's dtype). In "none" mode
+    the shared expert's product is kept as well (the routed products are rebuilt in every mode).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_dim: int
+    weights_dtype: torch.dtype = None
+    norm_topk_prob: bool = True
+    shared_dim: int = 0
+
+    def __post_init__(self):
+        check_positive_int(self.num_experts, "num_experts")
+        check_positive_int(self.top_k, "top_k")
+        check_positive_int(self.expert_dim, "expert_dim")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
+        if self.weights_dtype is not None:
+            as_dtype(self.weights_dtype, "weights_dtype")
+        if not isinstance(self.shared_dim, int) or self.shared_dim < 0:
+            raise ValueError(f"shared_dim must be an int >= 0, got {self.shared_dim!r}")
+
+    def kept(self, tokens, mlp_size, size, recompute="selective"):
+        """Parts (bytes) for `tokens` tokens; mlp_size / size: element sizes of the MLP's matmul outputs and
+        of the layer's dtype."""
+        t, k = tokens, self.top_k
+        ew = size if self.weights_dtype is None else _size(as_dtype(self.weights_dtype))
+        parts = {"expert_gate_up": t * k * 2 * self.expert_dim * mlp_size, "router_probs": t * self.num_experts * 4,
+                 "router_indices": t * k * 8, "routing_weights": t * k * ew}
+        if self.norm_topk_prob:
+            parts["router_topk_sum"] = t * 4
+            if ew != 4:
+                parts["router_topk_fp32"] = t * k * 4
+        if self.shared_dim:
+            parts.update(shared_gate_out=t * self.shared_dim * mlp_size, shared_up_out=t * self.shared_dim * mlp_size,
+                         shared_sigmoid=t * size)
+            if recompute == "none":
+                parts.update(shared_product=t * self.shared_dim * size, shared_scaled=t * self.shared_dim * size)
         return parts
 
 

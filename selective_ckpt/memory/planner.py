@@ -27,6 +27,7 @@ class LayerShape:
     norm: str = "layernorm"
     activation: str = "gelu"
     sliding_window: int = None
+    moe: object = None  # memory.MoE of a sparse mixture-of-experts MLP, or None
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,
@@ -93,7 +94,7 @@ def _layer_figures(shape, batch, seq_len):
     """{mode: (kept bytes, re-run working set, cost)} for one layer."""
     kw = shape.layer_kwargs()
     est = functools.partial(estimate, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.dtype, shape.mlp_ratio,
-                            **kw)
+                            moe=shape.moe, **kw)
     cost = functools.partial(recompute_flops, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.mlp_ratio,
                              causal=shape.causal, **kw)
     rerun = est("selective") - est("full")  # a full layer's re-run keeps its selective set again, once
