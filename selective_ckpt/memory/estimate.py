@@ -22,7 +22,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
              dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, moe=None,
-             **layer_kwargs):
+             qk_norm=False, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -50,7 +50,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     everything else LoRA reads (its dropped and cast inputs) is rebuilt.
 
     `moe` (memory.MoE): the layer's MLP is a sparse mixture of experts instead of one gated MLP; its
-    parts (routed rows, router, shared expert; see MoE) replace gate_out and up_out.
+    parts (routed rows, router, shared expert; see MoE) replace gate_out and up_out. `qk_norm`: attention
+    applies an RMSNorm per head to q and k (Qwen3): each keeps its input (the q and k projections'
+    outputs, t*(H + Hkv)*D elements) and its rstd per head and token.
     """
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
     gated = layer_kwargs.get("activation", "gelu") in GATED_ACTIVATIONS
@@ -69,6 +71,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         parts = {"x": t * h * er}
     else:
         parts = {"x": t * h * er, "qkv": t * (h + 2 * kv_heads * head_dim) * e, "o": t * h * e, "x1": t * h * er}
+        if qk_norm:
+            parts.update(qk_norm_in=t * (num_heads + kv_heads) * head_dim * e,
+                         qk_norm_stats=t * (num_heads + kv_heads) * acc)
         if moe is not None:
             parts.update(moe.kept(t, em, e, recompute))
         elif gated:
@@ -133,8 +138,9 @@ class MoE:
     the expert's down output and the routed-weighted product are rebuilt in backward. The router, as
     transformers computes it, keeps the fp32 softmax over the experts (t*num_experts*4 bytes), top-k's
     indices (t*top_k int64) and the routing weights (t*top_k elements of `weights_dtype`, None: the
-    layer's dtype); with `norm_topk_prob` also their fp32 sum per token and, when the weights are not
-    float32, the fp32 normalised weights. `shared_dim` > 0: a shared expert of that width keeps its gate and up
+    layer's dtype); with `norm_topk_prob` also their fp32 sum per token and a copy of the fp32 top-k
+    values (transformers divides them in place, and autograd keeps the original for the divisor's gradient).
+    `shared_dim` > 0: a shared expert of that width keeps its gate and up
     outputs and its sigmoid gate's output (one element per token, in the layer's dtype). In "none" mode
     the shared expert's product is kept as well (the routed products are rebuilt in every mode).
     """
@@ -164,10 +170,8 @@ class MoE:
         ew = size if self.weights_dtype is None else _size(as_dtype(self.weights_dtype))
         parts = {"expert_gate_up": t * k * 2 * self.expert_dim * mlp_size, "router_probs": t * self.num_experts * 4,
                  "router_indices": t * k * 8, "routing_weights": t * k * ew}
-        if self.norm_topk_prob:
-            parts["router_topk_sum"] = t * 4
-            if ew != 4:
-                parts["router_topk_fp32"] = t * k * 4
+        if self.norm_topk_prob:  # the in-place division keeps its divisor and a copy of the top-k values
+            parts.update(router_topk_sum=t * 4, router_topk_copy=t * k * 4)
         if self.shared_dim:
             parts.update(shared_gate_out=t * self.shared_dim * mlp_size, shared_up_out=t * self.shared_dim * mlp_size,
                          shared_sigmoid=t * size)

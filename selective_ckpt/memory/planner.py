@@ -28,6 +28,7 @@ class LayerShape:
     activation: str = "gelu"
     sliding_window: int = None
     moe: object = None  # memory.MoE of a sparse mixture-of-experts MLP, or None
+    qk_norm: bool = False  # RMSNorm per head on q and k (Qwen3)
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,
@@ -94,7 +95,7 @@ def _layer_figures(shape, batch, seq_len):
     """{mode: (kept bytes, re-run working set, cost)} for one layer."""
     kw = shape.layer_kwargs()
     est = functools.partial(estimate, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.dtype, shape.mlp_ratio,
-                            moe=shape.moe, **kw)
+                            moe=shape.moe, qk_norm=shape.qk_norm, **kw)
     cost = functools.partial(recompute_flops, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.mlp_ratio,
                              causal=shape.causal, **kw)
     rerun = est("selective") - est("full")  # a full layer's re-run keeps its selective set again, once

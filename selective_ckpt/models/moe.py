@@ -272,9 +272,10 @@ def moe_shape(layer, config, spec):
     from .hf import _is, config_shape
 
     mlp = layer.mlp
+    qk = {"qk_norm": True} if spec.qk_norm else {}
     if not _is(mlp, spec.moe.block):
-        return config_shape(layer, config, spec)
-    fields = config_shape(_DenseView(layer), config, spec)
+        return {**config_shape(layer, config, spec), **qk}
+    fields = {**config_shape(_DenseView(layer), config, spec), **qk}
     moe = moe_of(mlp, spec)
     fields.update(ffn_dim=moe.expert_dim, mlp_ratio=moe.expert_dim / fields["hidden_dim"], moe=moe,
                   activation="swiglu" if kernel_activation(mlp.experts.act_fn) == "silu" else "geglu")
