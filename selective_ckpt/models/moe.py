@@ -241,7 +241,8 @@ class MoESpec:
         if self.shared:
             if not _is(block.shared_expert, mlp_cls):
                 raise ConversionError(f"{name}.shared_expert is a {type(block.shared_expert).__name__}, not {mlp_cls}")
-            if type(block.shared_expert_gate) is not torch.nn.Linear or block.shared_expert_gate.bias is not None:
+            gate = getattr(block.shared_expert_gate, "base_layer", block.shared_expert_gate)  # LoRA keeps its base
+            if type(gate) is not torch.nn.Linear or gate.bias is not None:
                 raise ConversionError(f"{name}.shared_expert_gate is not a bias-free nn.Linear; it cannot be converted")
         check_experts(block.experts, f"{name}.experts")
         if self.check is not None:
