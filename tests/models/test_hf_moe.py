@@ -171,3 +171,13 @@ def test_packed_documents_stay_apart(family):
         whole = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
         changed = ours(input_ids=other, position_ids=pos, use_cache=False).logits
     torch.testing.assert_close(whole[:, 9:], changed[:, 9:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(num_experts=0, top_k=1, expert_dim=8), "num_experts"),
+                                          (dict(num_experts=2, top_k=3, expert_dim=8), "top_k"),
+                                          (dict(num_experts=2, top_k=1, expert_dim=8, shared_dim=-1), "shared_dim")])
+def test_moe_estimate_refuses_bad_shapes(kwargs, name):
+    from selective_ckpt.memory import MoE
+
+    with pytest.raises(ValueError, match=name):
+        MoE(**kwargs)
