@@ -22,7 +22,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
              dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
-             norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, post_norms=False, **layer_kwargs):
+             norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, post_norms=False, moe=None, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -69,6 +69,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     the attention and on the MLP output before each residual add, four norms a layer): each keeps its
     input, a matmul output (o_proj's t*h*e, down_proj's t*h*e_mlp), and its rstd, t*4 each. Their
     outputs feed RoPE or a residual add, which keep none of them, so "none" adds nothing for them.
+
+    `moe` (memory.MoE): the layer's MLP is a sparse mixture of experts instead of one gated MLP; its
+    parts (routed rows, router, shared expert; see MoE) replace gate_out and up_out.
     """
     check_residual(residual, norms)
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
@@ -98,7 +101,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         parts = {"x": t * h * er, "qkv": t * (h + 2 * kv_heads * head_dim) * e, "o": t * h * e, "x1": t * h * er}
         if residual == "parallel":
             del parts["x1"]
-        if gated:
+        if moe is not None:
+            parts.update(moe.kept(t, em, e, recompute))
+        elif gated:
             parts.update(gate_out=t * ffn * em, up_out=t * ffn * em)
         else:
             parts["fc1_out"] = t * ffn * em
@@ -124,7 +129,8 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
                 parts.update(ln1_out=t * h * e, ln2_out=t * h * e)
                 if norms == 1:
                     del parts["ln2_out"]
-            parts["product" if gated else "gelu_out"] = t * ffn * e
+            if moe is None:
+                parts["product" if gated else "gelu_out"] = t * ffn * e
         if qk_norm is True:
             parts.update(qk_norm_in=t * (num_heads + kv_heads) * head_dim * e,
                          qk_norm_stats=t * (num_heads + kv_heads) * acc)
@@ -183,6 +189,57 @@ class LoRA:
                  "lora_scaling": 8 * len(self.ranks)}
         if self.dropout > 0:
             parts["lora_seeds"] = 8 * len(self.ranks)
+        return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    """A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE as converted), for `estimate`.
+
+    `num_experts` experts of width `expert_dim`, `top_k` of them per token: t*top_k routed rows, each
+    keeping its expert's gate and up outputs (2*expert_dim elements of the MLP's dtype); act(gate) * up,
+    the expert's down output and the routed-weighted product are rebuilt in backward. The router, as
+    transformers computes it, keeps the fp32 softmax over the experts (t*num_experts*4 bytes), top-k's
+    indices (t*top_k int64) and the routing weights (t*top_k elements of `weights_dtype`, None: the
+    layer's dtype); with `norm_topk_prob` also their fp32 sum per token and a copy of the fp32 top-k
+    values (transformers divides them in place, and autograd keeps the original for the divisor's gradient).
+    `shared_dim` > 0: a shared expert of that width keeps its gate and up
+    outputs and its sigmoid gate's output (one element per token, in the layer's dtype). In "none" mode
+    the shared expert's product is kept as well (the routed products are rebuilt in every mode).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_dim: int
+    weights_dtype: torch.dtype = None
+    norm_topk_prob: bool = True
+    shared_dim: int = 0
+
+    def __post_init__(self):
+        check_positive_int(self.num_experts, "num_experts")
+        check_positive_int(self.top_k, "top_k")
+        check_positive_int(self.expert_dim, "expert_dim")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
+        if self.weights_dtype is not None:
+            as_dtype(self.weights_dtype, "weights_dtype")
+        if not isinstance(self.shared_dim, int) or self.shared_dim < 0:
+            raise ValueError(f"shared_dim must be an int >= 0, got {self.shared_dim!r}")
+
+    def kept(self, tokens, mlp_size, size, recompute="selective"):
+        """Parts (bytes) for `tokens` tokens; mlp_size / size: element sizes of the MLP's matmul outputs and
+        of the layer's dtype."""
+        t, k = tokens, self.top_k
+        ew = size if self.weights_dtype is None else _size(as_dtype(self.weights_dtype))
+        parts = {"expert_gate_up": t * k * 2 * self.expert_dim * mlp_size, "router_probs": t * self.num_experts * 4,
+                 "router_indices": t * k * 8, "routing_weights": t * k * ew}
+        if self.norm_topk_prob:  # the in-place division keeps its divisor and a copy of the top-k values
+            parts.update(router_topk_sum=t * 4, router_topk_copy=t * k * 4)
+        if self.shared_dim:
+            parts.update(shared_gate_out=t * self.shared_dim * mlp_size, shared_up_out=t * self.shared_dim * mlp_size,
+                         shared_sigmoid=t * size)
+            if recompute == "none":
+                parts.update(shared_product=t * self.shared_dim * size, shared_scaled=t * self.shared_dim * size)
         return parts
 
 

@@ -36,10 +36,12 @@ class LayerShape:
     norm_stats: bool = True
     scalar_multipliers: int = 0
     post_norms: bool = False
+    moe: object = None  # memory.MoE of a sparse mixture-of-experts MLP, or None
 
     def kept_kwargs(self):
         return {"residual": self.residual, "norms": self.norms, "qk_norm": self.qk_norm, "norm_stats": self.norm_stats,
-                "scalar_multipliers": self.scalar_multipliers, "post_norms": self.post_norms}
+                "scalar_multipliers": self.scalar_multipliers, "post_norms": self.post_norms,
+                "moe": self.moe}
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,

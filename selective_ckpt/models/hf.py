@@ -87,6 +87,7 @@ class ModelSpec:
     dropout: bool = False  # every nn.Dropout of the model keeps a seed instead of a mask
     check: object = None  # extra checks (root, name) raising ConversionError, or None
     patches: object = None  # extra patches (root) -> [(module, forward), ...] after the checks, or None
+    moe: object = None  # a sparse mixture-of-experts MLP the "mlp" child may be instead (models/moe.py MoESpec)
 
     def __post_init__(self):
         bad = sorted({role for _, role in self.children} - set(ROLES))
@@ -166,11 +167,13 @@ def plan(root, spec, model_type):
         check_children(layer, lname, [c for c, _ in spec.children], model_type)
         for child, role in spec.children:
             module = getattr(layer, child)
-            if not _is(module, expected[role]):
+            if not _is(module, expected[role]) and not (role == "mlp" and spec.moe and _is(module, spec.moe.block)):
                 raise ConversionError(f"{lname}.{child} (model type {model_type!r}) is a {type(module).__name__}, not "
                                       f"{_cls_name(expected[role])}; it cannot be converted")
             if role == "norm":
                 _check_norm(module, f"{lname}.{child}", spec)
+            elif role == "mlp" and spec.moe is not None and _is(module, spec.moe.block):
+                spec.moe.check_block(module, f"{lname}.{child}", model_type, spec.mlp.cls)
             elif role == "attention":
                 check_children(module, f"{lname}.{child}", attention_children, model_type)
             elif role == "dropout":
@@ -188,6 +191,8 @@ def plan(root, spec, model_type):
     patches += [(m, spec.mlp.forward or _mlp_forward(spec.mlp)) for _, m in modules_of(root, spec.mlp.cls)]
     if spec.patches is not None:
         patches += spec.patches(root)
+    if spec.moe is not None:
+        patches += spec.moe.patches(root)
     return [m for _, m in layers], patches
 
 

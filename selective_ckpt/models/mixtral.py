@@ -1,0 +1,11 @@
+"""Hugging Face Mixtral: Llama-shaped attention and norms; every layer's MLP a sparse mixture of experts
+(models/moe.py), its experts keeping each routed row's gate and up outputs; the router is transformers'."""
+
+import torch
+
+from .hf import llama_shaped
+from .moe import MoESpec, moe_shape, refuse_jitter
+
+SPEC = llama_shaped("mixtral", "Mixtral", shape=moe_shape,
+                    moe=MoESpec("MixtralSparseMoeBlock", ("gate", "experts"), "MixtralExperts", "MixtralTopKRouter",
+                                check=refuse_jitter, weights_dtype=torch.float32))

@@ -1,0 +1,302 @@
+"""Sparse mixture-of-experts MLPs of Hugging Face models (Mixtral, Qwen2-MoE, Qwen3-MoE), converted in place.
+
+transformers stores a layer's experts as two 3-D parameters (`gate_up_proj` [E, 2I, H], `down_proj`
+[E, H, I]) and picks the experts' forward by `config._experts_implementation` ("eager" loops over the
+hit experts, "grouped_mm" and "batched_mm" run them as grouped or batched matmuls). Each of them
+keeps, per routed row (t*top_k rows for t tokens), the gathered input, the gate and up outputs, act(gate),
+the product and the expert's down output for the routing-weight product. The patched experts forward
+(`experts_forward`) computes the same function through one autograd node (`RoutedExperts`) that keeps
+only the gate and up outputs of every routed row (besides the routing weights and indices the
+router keeps anyway, and the experts' input, a norm output that is rebuilt): act(gate) * up is rebuilt
+in backward, and the weighted down projection is differentiated without its output, since for a row r
+of token t with weight w_r, product p_r and q_r = dy_t @ W_down:
+    dL/dw_r = q_r . p_r,   dL/dp_r = w_r * q_r,   dL/dW_down = sum_r (w_r dy_t) p_r^T,
+one matmul of dy against W_down per row block, as the unconverted backward does.
+
+Each implementation's own arithmetic is followed where it differs: "eager" adds each expert's weighted
+rows into the output in the hidden states' dtype, expert by expert, and computes under autocast in
+autocast's dtype; "grouped_mm" and "batched_mm" sum a token's top-k rows in the promoted dtype, and
+"grouped_mm" computes in the weights' dtype (its kernel ignores autocast). Any other implementation,
+expert parallelism, biased, transposed, interleaved or non-gated expert layouts are refused by name.
+
+The router (transformers' own module and forward) is left as it is, so its logits, top-k and the
+auxiliary load-balancing loss are transformers'. Qwen2-MoE's shared expert (a gated MLP) and its
+sigmoid gate: y = down(sigmoid(g(x)) * act(gate) * up), the gate folded into the down projection's
+input (rebuilt, like the product) instead of scaling the down output, which would keep t*h elements.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from .. import recompute
+from ..activations import has_own_hooks, kernel_activation
+from ..double_backward import first_order_only
+from ..memory.estimate import MoE
+from ..ops.swiglu import gated_product_backward_op, gated_product_op
+from .common import ConversionError
+from .patches import activate
+
+# experts implementation -> (how a token's rows are summed, the matmuls' dtype rule)
+IMPLEMENTATIONS = {"eager": ("index_add", "autocast"), "grouped_mm": ("sum", "weight"),
+                   "batched_mm": ("sum", "autocast")}
+
+
+def _autocast_dtype(device_type):
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+class RoutedExperts(torch.autograd.Function):
+    """y[t] = sum over t's top-k experts e of w * down_e(act(gate_e(x_t)) * up_e(x_t)); keeps gate and up."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down, weights, index, activation, reduce, dtype):
+        n, h = x.shape
+        k = index.shape[1]
+        inter = down.shape[2]
+        order, counts = _routing(index, gate_up.shape[0])
+        gu = torch.empty(order.numel(), 2 * inter, dtype=dtype, device=x.device)
+        flat_w = weights.reshape(-1)
+        if reduce == "sum":
+            rows = None
+        else:
+            y = torch.zeros(n, h, dtype=x.dtype, device=x.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            pos = order[start:start + count]
+            tok = pos // k
+            part = F.linear(x[tok].to(dtype), gate_up[e].to(dtype))
+            gu[start:start + count] = part
+            p = gated_product_op(part[:, :inter], part[:, inter:], activation)
+            out = F.linear(p, down[e].to(dtype)) * flat_w[pos, None]
+            if reduce == "sum":
+                if rows is None:
+                    rows = torch.empty(n * k, h, dtype=out.dtype, device=x.device)
+                rows[pos] = out
+            else:
+                y.index_add_(0, tok, out.to(y.dtype))
+            start += count
+        if reduce == "sum":
+            y = rows.view(n, k, h).sum(dim=1).to(x.dtype)
+        ctx.activation, ctx.dtype = activation, dtype
+        ctx.save_for_backward(x, gate_up, down, weights, index, gu)
+        return y
+
+    @staticmethod
+    @first_order_only("selective_ckpt.models.moe.RoutedExperts")
+    def backward(ctx, dy):
+        x, gate_up, down, weights, index, gu = ctx.saved_tensors
+        need_x, need_gu, need_down, need_w = ctx.needs_input_grad[:4]
+        dtype, act = ctx.dtype, ctx.activation
+        k = index.shape[1]
+        inter = down.shape[2]
+        order, counts = _routing(index, gate_up.shape[0])
+        dy = dy.contiguous()
+        flat_w = weights.reshape(-1)
+        promoted = torch.promote_types(dtype, weights.dtype)
+        dx = torch.zeros_like(x) if need_x else None
+        dgate_up = torch.zeros_like(gate_up) if need_gu else None
+        ddown = torch.zeros_like(down) if need_down else None
+        dw = torch.zeros(flat_w.shape, dtype=torch.float32, device=x.device) if need_w else None
+        start = 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            pos = order[start:start + count]
+            tok = pos // k
+            part = gu[start:start + count]
+            gate, up = part[:, :inter].contiguous(), part[:, inter:].contiguous()
+            p = gated_product_op(gate, up, act)
+            w = flat_w[pos, None]
+            g = dy[tok].to(promoted)
+            w_down = down[e].to(dtype)
+            q = (g.to(dtype) @ w_down)  # dy_t @ W_down: what the down output's gradient reaches, unweighted
+            if need_w:
+                dw[pos] = (q.float() * p.float()).sum(dim=-1)
+            if need_down:
+                ddown[e] = ((g * w).to(dtype).t() @ p).to(ddown.dtype)
+            if need_x or need_gu:
+                dgate = (q * w).to(dtype)
+                dup = gated_product_backward_op(dgate, gate, up, act)
+                dpart = torch.cat([dgate, dup], dim=-1)
+                xs = x[tok].to(dtype)
+                if need_gu:
+                    dgate_up[e] = (dpart.t() @ xs).to(dgate_up.dtype)
+                if need_x:
+                    dx.index_add_(0, tok, (dpart @ gate_up[e].to(dtype)).to(dx.dtype))
+            start += count
+        dweights = dw.to(weights.dtype).view(weights.shape) if need_w else None
+        return dx, dgate_up, ddown, dweights, None, None, None, None
+
+
+def _routing(index, num_experts):
+    """(flat positions sorted by expert, stable; rows per expert as Python ints) of a [tokens, top_k] index."""
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, counts
+
+
+def implementation_of(experts):
+    impl = getattr(experts.config, "_experts_implementation", None)
+    return "eager" if impl is None else impl
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The experts' forward for every implementation in IMPLEMENTATIONS, keeping each routed row's gate and up."""
+    impl = implementation_of(self)
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"{type(self).__name__}: experts implementation {impl!r} is not supported by selective_ckpt "
+                         f"(supported: {', '.join(IMPLEMENTATIONS)}); set config._experts_implementation to one")
+    reduce, rule = IMPLEMENTATIONS[impl]
+    device_type = hidden_states.device.type
+    dtype = self.gate_up_proj.dtype if rule == "weight" else (_autocast_dtype(device_type) or hidden_states.dtype)
+    if rule != "weight" and _autocast_dtype(device_type) is None and self.gate_up_proj.dtype != hidden_states.dtype:
+        raise ValueError(f"{type(self).__name__}: hidden states {hidden_states.dtype} and expert weights "
+                         f"{self.gate_up_proj.dtype} differ outside autocast")
+    kernel = kernel_activation(self.act_fn)
+    with torch.autocast(device_type, enabled=False):
+        return RoutedExperts.apply(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index,
+                                   kernel, reduce, dtype)
+
+
+def check_experts(experts, name):
+    """ConversionError unless `experts` is a layout and implementation experts_forward reproduces."""
+    impl = implementation_of(experts)
+    if impl not in IMPLEMENTATIONS:
+        raise ConversionError(f"{name}: experts implementation {impl!r} cannot be converted (selective_ckpt "
+                              f"reproduces {', '.join(IMPLEMENTATIONS)}); load the model with "
+                              "experts_implementation='grouped_mm' or 'eager'")
+    flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+             "has_post_expert_norm": False, "_is_expert_parallel": False}
+    wrong = [f"{f}={getattr(experts, f, None)!r}" for f, want in flags.items() if getattr(experts, f, want) != want]
+    if wrong:
+        raise ConversionError(f"{name}: experts with {', '.join(wrong)} cannot be converted; selective_ckpt converts "
+                              "concatenated [gate; up] experts without bias, transposition, post-norm or expert "
+                              "parallelism")
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if apply_gate is not None and apply_gate.__name__ != "_default_apply_gate":
+        raise ConversionError(f"{name}: experts with their own gating ({type(experts).__name__}._apply_gate) cannot "
+                              "be converted")
+    for p in ("gate_up_proj", "down_proj"):
+        if type(getattr(experts, p, None)) is not torch.nn.Parameter:
+            raise ConversionError(f"{name}.{p} is not a plain nn.Parameter; it cannot be converted")
+    if kernel_activation(experts.act_fn) is None:
+        raise ConversionError(f"{name}.act_fn ({type(experts.act_fn).__name__}) is not an activation selective_ckpt "
+                              "rebuilds inside the experts (silu, gelu, gelu_tanh without hooks of their own)")
+
+
+# --- Qwen2-MoE's block: routed experts plus a shared expert scaled by a sigmoid gate.
+
+def _scaled(scale, p):
+    return scale * p
+
+
+def shared_expert_block_forward(self, hidden_states):
+    """Qwen2MoeSparseMoeBlock: experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x), the sigmoid
+    applied to the shared expert's product before its down projection (rebuilt, so only gate, up and the
+    sigmoid's output are kept). A shared expert with hooks of its own is called as a module instead."""
+    batch_size, sequence_length, hidden_dim = hidden_states.shape
+    x = hidden_states.view(-1, hidden_dim)
+    se = self.shared_expert
+    _, routing_weights, selected_experts = self.gate(x)
+    routed = self.experts(x, selected_experts, routing_weights)
+    scale = torch.sigmoid(self.shared_expert_gate(x))
+    if has_own_hooks(se):
+        shared = scale * se(x)
+    else:
+        p = activate(se.act_fn, se.gate_proj(x), se.up_proj(x))
+        sp = recompute.discardable(_scaled(scale, p), _scaled, scale, recompute.source(p))
+        shared = se.down_proj(sp)
+    return (routed + shared).reshape(batch_size, sequence_length, hidden_dim)
+
+
+# --- The family description the driver reads (hf.ModelSpec.moe).
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    block: str  # the sparse MoE block's class name
+    children: tuple  # the block's children
+    experts: str  # the experts' class name
+    router: str  # the router's class name
+    block_forward: object = None  # a patched forward of the block, or None (transformers' own stays)
+    shared: bool = False  # a shared expert (gated MLP of the spec's MLP class) and its sigmoid gate
+    check: object = None  # extra checks (block, name) raising ConversionError
+    weights_dtype: object = None  # the routing weights' dtype (Mixtral's stay float32), None: the router logits'
+
+    def check_block(self, block, name, model_type, mlp_cls):
+        from .hf import _is, check_children
+
+        check_children(block, name, self.children, model_type)
+        check_children(block.experts, f"{name}.experts", ("act_fn",), model_type)
+        check_children(block.gate, f"{name}.gate", (), model_type)
+        if not _is(block.experts, self.experts) or not _is(block.gate, self.router):
+            raise ConversionError(f"{name} (model type {model_type!r}): experts {type(block.experts).__name__} and "
+                                  f"router {type(block.gate).__name__} must be {self.experts} and {self.router}")
+        if self.shared:
+            if not _is(block.shared_expert, mlp_cls):
+                raise ConversionError(f"{name}.shared_expert is a {type(block.shared_expert).__name__}, not {mlp_cls}")
+            gate = getattr(block.shared_expert_gate, "base_layer", block.shared_expert_gate)  # LoRA keeps its base
+            if type(gate) is not torch.nn.Linear or gate.bias is not None:
+                raise ConversionError(f"{name}.shared_expert_gate is not a bias-free nn.Linear; it cannot be converted")
+        check_experts(block.experts, f"{name}.experts")
+        if self.check is not None:
+            self.check(block, name)
+
+    def patches(self, root):
+        from .hf import modules_of
+
+        out = [(m, experts_forward) for _, m in modules_of(root, self.experts)]
+        if self.block_forward is not None:
+            out += [(m, self.block_forward) for _, m in modules_of(root, self.block)]
+        return out
+
+
+def moe_of(block, spec):
+    """memory.MoE for a converted MoE block (its config's experts, top-k and widths)."""
+    experts, router = block.experts, block.gate
+    weights_dtype = spec.moe.weights_dtype
+    norm = bool(getattr(router, "norm_topk_prob", True))
+    shared = block.shared_expert.gate_proj if spec.moe.shared else None
+    return MoE(num_experts=experts.num_experts, top_k=router.top_k, expert_dim=experts.intermediate_dim,
+               weights_dtype=weights_dtype, norm_topk_prob=norm,
+               shared_dim=0 if shared is None else getattr(shared, "base_layer", shared).out_features)
+
+
+def moe_shape(layer, config, spec):
+    """config_shape's LayerShape fields, with `moe` (memory.MoE) when the layer's MLP is a sparse MoE block."""
+    from .hf import _is, config_shape
+
+    mlp = layer.mlp
+    qk = {"qk_norm": True} if spec.qk_norm else {}
+    if not _is(mlp, spec.moe.block):
+        return {**config_shape(layer, config, spec), **qk}
+    fields = {**config_shape(_DenseView(layer), config, spec), **qk}
+    moe = moe_of(mlp, spec)
+    fields.update(ffn_dim=moe.expert_dim, mlp_ratio=moe.expert_dim / fields["hidden_dim"], moe=moe,
+                  activation="swiglu" if kernel_activation(mlp.experts.act_fn) == "silu" else "geglu")
+    return fields
+
+
+class _DenseView:
+    """A layer seen by config_shape before it reads the MLP's activation: only its attention matters."""
+
+    def __init__(self, layer):
+        self.self_attn = layer.self_attn
+        self.mlp = _ActView()
+
+
+class _ActView:
+    act_fn = torch.nn.SiLU()
+
+
+def refuse_jitter(block, name):
+    noise = getattr(block, "jitter_noise", 0) or 0
+    if noise > 0:
+        raise ConversionError(f"{name}: router_jitter_noise={noise} multiplies the experts' input in place in "
+                              "training, which selective_ckpt cannot rebuild; convert with router_jitter_noise=0")

@@ -1,0 +1,35 @@
+"""Sparse mixture-of-experts families: Llama-shaped attention and norms, a routed-experts MLP in every layer.
+
+The tiny configs run transformers' "eager" experts loop, the one experts implementation that runs in
+float64 (the reference); tests/models/test_hf_moe.py covers grouped_mm and batched_mm. The shared packed
+check compares logits bit for bit, which no experts implementation gives (changing one document's tokens
+changes how many rows each expert's matmul takes, and with it the rounding of the others' rows):
+test_hf_moe.py checks packed documents within float rounding instead.
+"""
+
+import pytest
+
+from tests.models.families import Family
+from tests.models.hf_checks import VOCAB
+
+transformers = pytest.importorskip("transformers")
+
+_BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, pad_token_id=0, experts_implementation="eager")
+MIXTRAL = {**_BASE, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2}
+QWEN2_MOE = {**_BASE, "intermediate_size": 80, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+             "num_experts": 6, "num_experts_per_tok": 2}
+QWEN3_MOE = {**_BASE, "intermediate_size": 80, "moe_intermediate_size": 32, "num_experts": 6,
+             "num_experts_per_tok": 2, "norm_topk_prob": True}
+
+FAMILIES = [
+    Family("mixtral", transformers.MixtralConfig, transformers.MixtralForCausalLM, MIXTRAL,
+           packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
+           heads=(transformers.MixtralForSequenceClassification, transformers.MixtralForTokenClassification)),
+    Family("qwen2_moe", transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, QWEN2_MOE,
+           packed=False, lora_targets=("q_proj", "v_proj", "down_proj", "shared_expert_gate"),
+           heads=(transformers.Qwen2MoeForSequenceClassification, transformers.Qwen2MoeForTokenClassification)),
+    Family("qwen3_moe", transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, QWEN3_MOE,
+           packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
+           heads=(transformers.Qwen3MoeForSequenceClassification, transformers.Qwen3MoeForTokenClassification)),
+]
