@@ -22,7 +22,6 @@ import math
 import torch
 
 from ..memory.estimate import LoRA, estimate, loss_head_estimate
-from ..memory.units import as_dtype
 from ..validation import check_positive_int
 from . import meta
 from .forms import TrainingForm
@@ -38,6 +37,8 @@ NOT_MODELLED = (
     "mixture-of-experts routing (data-dependent expert loads): such models raise",
     "data-loader, pinned and host memory; distributed (ZeRO/FSDP) sharding",
     "transformers' layers under autocast are counted with weights in the autocast dtype (meta has no autocast)",
+    "a masked attention call on CPU (padding, sliding windows) takes SDPA's math kernel, which keeps S x S "
+    "probabilities; the fused kernels' saved set (GPU) is what is counted",
     "QLoRA bases are NF4 with one float32 absmax per 64 weights (no double quantization)",
 )
 
@@ -101,6 +102,10 @@ class _Model:
         self.head_grads = self._head_grad_bytes()
         self.largest_trained = w[1]["largest"]
         self.optimizer = 2 * self.grads + 4 * self.grad_tensors  # exp_avg, exp_avg_sq; a float32 step each
+        if form.compute != form.weights:
+            # the meta device has no autocast: transformers' activations are counted in the autocast dtype
+            for m in self.models.values():
+                m.to(form.compute)
 
     def _params(self, model):
         out = {"weights": 0, "grads": 0, "tensors": 0, "largest": 0}
@@ -192,15 +197,22 @@ def _layer_backward_transient(model, batch, seq_len, converted):
 
     transformers: the gradients of the MLP's largest intermediates while they are formed (d(gate), d(up),
     d(act(gate) * up): 3 t f) and two of the residual stream's (2 t h). Ours: the rebuilt outputs and their
-    gradients inside the fused backward kernels, 7 t h + 2 t f, as the CPU allocator measures them
-    (tests/test_fit.py holds the whole step to 5 %).
+    gradients inside the fused backward kernels, 7 t h + 2 t f, plus 5 t (H + Hkv) D with q/k norms, as the
+    CPU allocator measures them (calibrated there; tests/test_fit.py holds the whole step to 5 %).
     """
     t = batch * seq_len
     c = model.config
     h = c.hidden_size
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
     e = _size(model.form.compute)
-    return (7 * h + 2 * ffn) * t * e if converted else (3 * ffn + 2 * h) * t * e
+    if not converted:
+        return (3 * ffn + 2 * h) * t * e
+    shape, _ = model.shape
+    qk = 0
+    if model.spec().qk_norm:  # the q/k norms' rebuilt outputs and their gradients, 5 (q + k widths)
+        d = shape["hidden_dim"] // shape["num_heads"]
+        qk = 5 * (shape["num_heads"] + (shape.get("num_kv_heads") or shape["num_heads"])) * d
+    return (7 * h + 2 * ffn + qk) * t * e
 
 
 def _head_backward(model, batch, seq_len):
@@ -292,6 +304,17 @@ def _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans):
     return v
 
 
+def predict(config, batch, seq_len, form=None, names=VARIANTS):
+    """{variant name: Variant} (its `peak` and `phases` in bytes) of one step at `batch` x `seq_len`;
+    "ours plan" needs a budget (fit) and is left out here."""
+    from .configs import load_config
+
+    check_positive_int(batch, "batch")
+    check_positive_int(seq_len, "seq_len")
+    model = _Model(load_config(config), form if form is not None else TrainingForm())
+    return _variants(model, batch, seq_len, names=tuple(n for n in names if n != "ours plan"))
+
+
 def fit(config, gpu_bytes, batch=1, seq_len="max", form=None):
     """Projects one training step's peak memory for `config` (load_config's input) on a GPU of
     `gpu_bytes`, per variant (VARIANTS), and the longest context per sample that fits each.
@@ -341,4 +364,4 @@ def _longest(model, batch, name, gpu_bytes, limit):
     return lo
 
 
-__all__ = ["ALLOCATOR_SHARE", "Fit", "NOT_MODELLED", "VARIANTS", "Variant", "as_dtype", "fit"]
+__all__ = ["ALLOCATOR_SHARE", "Fit", "NOT_MODELLED", "VARIANTS", "Variant", "fit", "predict"]

@@ -2,30 +2,23 @@
 
 import json
 import os
+from importlib import resources
 
-# Published sizes (each model's config.json on its model card); only what the memory model reads.
+# Published sizes (each model's config.json on its model card), as package data in bundled/: only what
+# the memory model reads.
 BUNDLED = {
-    "Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False),
-    "Qwen3-8B": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False),
-    "Mistral-7B": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0,
-                       rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "Gemma-2-9B": dict(model_type="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
-                       num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-                       max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256,
-                       final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True),
-    "Mixtral-8x7B": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
-                         rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "Llama-3.1-8B": "llama-3.1-8b.json",
+    "Qwen3-8B": "qwen3-8b.json",
+    "Mistral-7B": "mistral-7b.json",
+    "Gemma-2-9B": "gemma-2-9b.json",
+    "Mixtral-8x7B": "mixtral-8x7b.json",
 }
+
+
+def bundled(name):
+    """The dict of a bundled config (BUNDLED's names), read from the package data."""
+    return json.loads(resources.files(__package__).joinpath("bundled", BUNDLED[name]).read_text())
+
 
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
@@ -44,7 +37,7 @@ def load_config(config):
         d = dict(config)
     elif isinstance(config, (str, os.PathLike)):
         if str(config) in BUNDLED:
-            d = dict(BUNDLED[str(config)])
+            d = bundled(str(config))
         elif os.path.isfile(config):
             with open(config) as f:
                 d = json.load(f)
