@@ -109,9 +109,12 @@ class _Model:
 
     def _params(self, model):
         out = {"weights": 0, "grads": 0, "tensors": 0, "largest": 0}
+        # bitsandbytes quantizes every Linear but the output head; embeddings and norms stay float
+        kept_float = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+        kept_float |= {id(p) for p in self._root(model).get_output_embeddings().parameters()}
         for name, p in model.named_parameters():
             n = p.numel() * p.element_size()
-            if self.form.kind == "qlora" and p.dim() == 2 and ".layers." in name and "lora_" not in name:
+            if self.form.kind == "qlora" and p.dim() == 2 and id(p) not in kept_float and "lora_" not in name:
                 n = p.numel() // 2 + math.ceil(p.numel() / QLORA_BLOCK) * 4
             out["weights"] += n
             if p.requires_grad:
