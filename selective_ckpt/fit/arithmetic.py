@@ -187,7 +187,7 @@ class _Model:
         """(kept, head transient): the final norm's input and statistics and the fused loss head."""
         t, h = batch * seq_len, self.config.hidden_size
         head = self._root(self.models[1]).get_output_embeddings()
-        parts = loss_head_estimate(t, self.config.vocab_size, h, self.form.compute,
+        parts = loss_head_estimate(t, self.config.vocab_size, h, self.form.weights,
                                    weight_grad=head.weight.requires_grad, bias=head.bias is not None,
                                    breakdown=True)
         # dweight formed in forward is the head's gradient: counted with the gradients, not here
@@ -198,6 +198,7 @@ class _Model:
 def _layer_backward_transient(model, batch, seq_len, converted):
     """The largest transient of one layer's backward, in the compute dtype, t tokens, h hidden, f the MLP width.
 
+    e is the weights' element size (under autocast the residual stream's gradients stay in it).
     transformers: the gradients of the MLP's largest intermediates while they are formed (d(gate), d(up),
     d(act(gate) * up): 3 t f) and two of the residual stream's (2 t h). Ours: the rebuilt outputs and their
     gradients inside the fused backward kernels, 7 t h + 2 t f, plus 5 t (H + Hkv) D with q/k norms, as the
@@ -207,7 +208,7 @@ def _layer_backward_transient(model, batch, seq_len, converted):
     c = model.config
     h = c.hidden_size
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
-    e = _size(model.form.compute)
+    e = _size(model.form.weights)  # under autocast the residual stream's gradients stay in the weights' dtype
     if not converted:
         return (3 * ffn + 2 * h) * t * e
     shape, _ = model.shape
