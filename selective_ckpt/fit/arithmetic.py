@@ -196,7 +196,7 @@ class _Model:
 
 
 def _layer_backward_transient(model, batch, seq_len, converted):
-    """The largest transient of one layer's backward, in the compute dtype, t tokens, h hidden, f the MLP width.
+    """The largest transient of one layer's backward, t tokens, h hidden, f the MLP width, e bytes per element.
 
     e is the weights' element size (under autocast the residual stream's gradients stay in it).
     transformers: the gradients of the MLP's largest intermediates while they are formed (d(gate), d(up),
