@@ -117,6 +117,7 @@ else:
     setup(
         packages=PACKAGES,
         package_dir=PACKAGE_DIRS,
+        package_data={"selective_ckpt.fit": ["bundled/*.json"]},  # the fit tool's bundled configs
         ext_modules=[Extension("selective_ckpt._C", sources=SOURCES)],
         cmdclass={"build_ext": NinjaBuildExt},
     )

@@ -142,6 +142,8 @@ def test_wheel_holds_every_subpackage_and_the_extension(dist):
                  for p in map(ROOT.joinpath, _source_files("triton_kernels", {".py"}))]
     for sub in ("ops", "models", "memory", "bench", "triton_kernels"):
         assert f"selective_ckpt/{sub}/__init__.py" in expected
+    expected += [f"selective_ckpt/{p.relative_to(ROOT / 'selective_ckpt').as_posix()}"
+                 for p in sorted((ROOT / "selective_ckpt" / "fit" / "bundled").glob("*.json"))]
     missing = [n for n in expected if n not in names]
     assert not missing, missing
     assert any(re.fullmatch(r"selective_ckpt/_C\..*\.so", n) for n in names), sorted(names)

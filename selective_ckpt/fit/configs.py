@@ -1,0 +1,63 @@
+"""Configs the fit tool reads: a config.json path, or a bundled config built from published sizes."""
+
+import json
+import os
+from importlib import resources
+
+# Published sizes (each model's config.json on its model card), as package data in bundled/: only what
+# the memory model reads.
+BUNDLED = {
+    "Llama-3.1-8B": "llama-3.1-8b.json",
+    "Qwen3-8B": "qwen3-8b.json",
+    "Mistral-7B": "mistral-7b.json",
+    "Gemma-2-9B": "gemma-2-9b.json",
+    "Mixtral-8x7B": "mixtral-8x7b.json",
+}
+
+
+def bundled(name):
+    """The dict of a bundled config (BUNDLED's names), read from the package data."""
+    return json.loads(resources.files(__package__).joinpath("bundled", BUNDLED[name]).read_text())
+
+
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def load_config(config):
+    """A transformers config from a bundled name, a config.json path, a dict or a config object.
+
+    Raises ValueError naming the field when a size the memory model reads is missing or not positive,
+    or the model type is unknown to transformers.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        d = config.to_dict()
+    elif isinstance(config, dict):
+        d = dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        if str(config) in BUNDLED:
+            d = bundled(str(config))
+        elif os.path.isfile(config):
+            with open(config) as f:
+                d = json.load(f)
+        else:
+            raise ValueError(f"config {str(config)!r} is neither a config.json file nor a bundled config "
+                             f"({', '.join(BUNDLED)})")
+    else:
+        raise TypeError(f"config must be a path, a bundled name, a dict or a PretrainedConfig, got "
+                        f"{type(config).__name__}")
+    model_type = d.pop("model_type", None)
+    if not model_type:
+        raise ValueError("config: field 'model_type' is missing")
+    for field in REQUIRED:
+        v = d.get(field, {"hidden_size": d.get("n_embd"), "num_hidden_layers": d.get("n_layer"),
+                          "num_attention_heads": d.get("n_head")}.get(field))
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"config: field {field!r} must be a positive integer (a size the memory model reads), "
+                             f"got {v!r}")
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except ValueError as err:
+        raise ValueError(f"config: field 'model_type' {model_type!r} is not a transformers model type "
+                         f"({err})") from None
