@@ -26,7 +26,9 @@ NOT_MODELLED = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "dee
 GPT2 = Family("gpt2", transformers.GPT2Config, transformers.GPT2LMHeadModel,
               dict(vocab_size=97, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
               lora_targets=("c_attn", "c_proj", "c_fc"))
-FAMILIES = collect() + [GPT2]
+# the families whose step peak the fit model is verified against so far; the others are not claimed
+VERIFIED = {"llama", "mistral", "qwen2", "granite", "gemma", "smollm3", "starcoder2"}
+FAMILIES = [f for f in collect() if f.name in VERIFIED] + [GPT2]
 FORMS = {"full fp32": lambda fam: TrainingForm("full"),
          "lora fp32": lambda fam: TrainingForm("lora", rank=8, targets=fam.lora_targets)}
 

@@ -80,10 +80,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     check_positive_int(seq_len, "seq_len")
     check_positive_int(batch, "batch")
     check_mode(recompute)
-    if residual not in ("pre-norm", "post-norm"):
-        raise ValueError(f"residual must be 'pre-norm' or 'post-norm', got {residual!r}")
-    if qk_norm not in (None, "projection"):
-        raise ValueError(f"qk_norm must be None or 'projection' (q/k norms over the whole projection), got {qk_norm!r}")
+    if qk_norm not in (None, False, True, "projection"):
+        raise ValueError(f"qk_norm must be None, True (per head) or 'projection' (q/k norms over the whole "
+                         f"projection), got {qk_norm!r}")
     if not isinstance(norm_stats, bool):
         raise TypeError(f"norm_stats must be a bool, got {type(norm_stats).__name__}")
     if scalar_multipliers != 0:

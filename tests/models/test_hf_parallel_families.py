@@ -193,7 +193,7 @@ def test_refuses_an_extra_module_in_a_neox_layer():
         convert(model)
 
 
-@pytest.mark.parametrize("kw, word", [(dict(residual="post-norm"), "residual"), (dict(norms=3), "norms"),
+@pytest.mark.parametrize("kw, word", [(dict(residual="sideways"), "residual"), (dict(norms=3), "norms"),
                                       (dict(norms=1), "norms"), (dict(residual="parallel", norms=True), "norms")])
 def test_estimate_names_a_bad_residual_argument(kw, word):
     with pytest.raises(ValueError, match=word):
