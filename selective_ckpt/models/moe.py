@@ -57,19 +57,13 @@ class RoutedExperts(torch.autograd.Function):
         n, h = x.shape
         k = index.shape[1]
         inter = down.shape[2]
-        order, counts = _routing(index, gate_up.shape[0])
-        gu = torch.empty(order.numel(), 2 * inter, dtype=dtype, device=x.device)
+        gu = torch.empty(index.numel(), 2 * inter, dtype=dtype, device=x.device)
         flat_w = weights.reshape(-1)
         if reduce == "sum":
             rows = None
         else:
             y = torch.zeros(n, h, dtype=x.dtype, device=x.device)
-        start = 0
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            pos = order[start:start + count]
-            tok = pos // k
+        for e, start, count, pos, tok in _expert_rows(index, gate_up.shape[0]):
             part = F.linear(x[tok].to(dtype), gate_up[e].to(dtype))
             gu[start:start + count] = part
             p = gated_product_op(part[:, :inter], part[:, inter:], activation)
@@ -80,7 +74,6 @@ class RoutedExperts(torch.autograd.Function):
                 rows[pos] = out
             else:
                 y.index_add_(0, tok, out.to(y.dtype))
-            start += count
         if reduce == "sum":
             y = rows.view(n, k, h).sum(dim=1).to(x.dtype)
         ctx.activation, ctx.dtype = activation, dtype
@@ -93,9 +86,7 @@ class RoutedExperts(torch.autograd.Function):
         x, gate_up, down, weights, index, gu = ctx.saved_tensors
         need_x, need_gu, need_down, need_w = ctx.needs_input_grad[:4]
         dtype, act = ctx.dtype, ctx.activation
-        k = index.shape[1]
         inter = down.shape[2]
-        order, counts = _routing(index, gate_up.shape[0])
         dy = dy.contiguous()
         flat_w = weights.reshape(-1)
         promoted = torch.promote_types(dtype, weights.dtype)
@@ -103,12 +94,7 @@ class RoutedExperts(torch.autograd.Function):
         dgate_up = torch.zeros_like(gate_up) if need_gu else None
         ddown = torch.zeros_like(down) if need_down else None
         dw = torch.zeros(flat_w.shape, dtype=torch.float32, device=x.device) if need_w else None
-        start = 0
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            pos = order[start:start + count]
-            tok = pos // k
+        for e, start, count, pos, tok in _expert_rows(index, gate_up.shape[0]):
             part = gu[start:start + count]
             gate, up = part[:, :inter].contiguous(), part[:, inter:].contiguous()
             p = gated_product_op(gate, up, act)
@@ -129,17 +115,22 @@ class RoutedExperts(torch.autograd.Function):
                     dgate_up[e] = (dpart.t() @ xs).to(dgate_up.dtype)
                 if need_x:
                     dx.index_add_(0, tok, (dpart @ gate_up[e].to(dtype)).to(dx.dtype))
-            start += count
         dweights = dw.to(weights.dtype).view(weights.shape) if need_w else None
         return dx, dgate_up, ddown, dweights, None, None, None, None
 
 
-def _routing(index, num_experts):
-    """(flat positions sorted by expert, stable; rows per expert as Python ints) of a [tokens, top_k] index."""
+def _expert_rows(index, num_experts):
+    """(expert, first row, row count, flat positions, tokens) for each expert that some token is routed to,
+    in expert order, of a [tokens, top_k] index: rows are the flat positions sorted by expert (stable), so
+    forward and backward walk the same rows in the same order."""
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return order, counts
+    start = 0
+    for e, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if count:
+            pos = order[start:start + count]
+            yield e, start, count, pos, pos // index.shape[1]
+        start += count
 
 
 def implementation_of(experts):

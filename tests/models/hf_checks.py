@@ -149,3 +149,15 @@ def check_modes_identical(model, ids, mask):
 
 def _layers(model):
     return [m for m in model.modules() if hasattr(m, "_selective_ckpt")]
+
+
+def check_window_applied(build, window=5):
+    """One layer with a sliding window shorter than the sequence, against float64; a change to the first token
+    leaves every position `window` or more behind it untouched (it is reached only through earlier layers)."""
+    ref, plain, ours = triple(build)
+    ids, _ = batch(b=1, s=13)
+    assert_matches_reference(ref, plain, ours, input_ids=ids)
+    other = ids.clone()
+    other[:, 0] = (other[:, 0] + 1) % VOCAB
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits[:, window:], ours(input_ids=other).logits[:, window:])
