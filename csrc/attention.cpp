@@ -5,9 +5,10 @@
 // GQA never expands k/v and the group sum is taken in a fixed order (deterministic, no atomics).
 //
 // This file holds the entry points, their Python registration and the choice of ISA. The tile
-// kernels (attention_kernels.h: tiles, masks, forward, backward) are compiled three times, for
-// baseline x86-64, for AVX2 + FMA and for AVX-512, each in its own namespace; the entry points
-// pick one at run time. The matrix products are register-blocked loops, no BLAS.
+// kernels (attention_kernels.h: tiles, masks, forward, backward) are compiled four times, for
+// baseline x86-64, for AVX2 + FMA, for AVX-512 and for AVX-512 with AVX512_BF16 (whose bf16 tiles
+// multiply with native dot products), each in its own namespace; the entry points pick one at run
+// time. The matrix products are register-blocked loops, no BLAS.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -44,10 +45,10 @@ std::atomic<int64_t> g_block_q{128};
 std::atomic<int64_t> g_block_k{64};
 
 // The tile kernels per ISA; SCKPT_ATT_ISA is (namespace, scalar FMA, vector bytes, vector
-// multiply-add, NR, MR), see attention_kernels.h. AVX-512 has 32 registers 16 floats wide: 8 x 32
-// register blocks.
+// multiply-add, NR, MR, bf16 dot), see attention_kernels.h. AVX-512 has 32 registers 16 floats wide:
+// 8 x 32 register blocks.
 #define SCKPT_ATT_MUL_ADD(a, b, c) ((a) * (b) + (c))
-#define SCKPT_ATT_ISA (generic, 0, 16, SCKPT_ATT_MUL_ADD, 16, 4)
+#define SCKPT_ATT_ISA (generic, 0, 16, SCKPT_ATT_MUL_ADD, 16, 4, 0)
 #include "attention_kernels.h"
 #undef SCKPT_ATT_MUL_ADD
 
@@ -55,17 +56,22 @@ std::atomic<int64_t> g_block_k{64};
 #define SCKPT_HAVE_X86_TILES 1
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-#define SCKPT_ATT_ISA (avx2, 1, 32, _mm256_fmadd_ps, 16, 4)
+#define SCKPT_ATT_ISA (avx2, 1, 32, _mm256_fmadd_ps, 16, 4, 0)
 #include "attention_kernels.h"
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-#define SCKPT_ATT_ISA (avx512, 1, 64, _mm512_fmadd_ps, 32, 8)
+#define SCKPT_ATT_ISA (avx512, 1, 64, _mm512_fmadd_ps, 32, 8, 0)
+#include "attention_kernels.h"
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#define SCKPT_ATT_ISA (avx512bf16, 1, 64, _mm512_fmadd_ps, 32, 8, 1)
 #include "attention_kernels.h"
 #pragma GCC pop_options
 #endif
 
-enum class Isa { generic, avx2, avx512 };
+enum class Isa { generic, avx2, avx512, avx512bf16 };
 
 // The widest ISA this CPU runs.
 Isa native_isa() {
@@ -74,7 +80,7 @@ Isa native_isa() {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-      return Isa::avx512;
+      return __builtin_cpu_supports("avx512bf16") ? Isa::avx512bf16 : Isa::avx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
       return Isa::avx2;
     return Isa::generic;
@@ -93,11 +99,13 @@ Isa best_isa() {
   return chosen < 0 ? native_isa() : Isa(chosen);
 }
 
+// The tile function `fn` for T compiled for `isa`.
 #ifdef SCKPT_HAVE_X86_TILES
-#define SCKPT_PICK(fn, T) \
-  (best_isa() == Isa::avx512 ? &avx512::fn<T> : best_isa() == Isa::avx2 ? &avx2::fn<T> : &generic::fn<T>)
+#define SCKPT_PICK(isa, fn, T)                                                                 \
+  ((isa) == Isa::avx512bf16 ? &avx512bf16::fn<T> : (isa) == Isa::avx512 ? &avx512::fn<T>     \
+   : (isa) == Isa::avx2     ? &avx2::fn<T>       : &generic::fn<T>)
 #else
-#define SCKPT_PICK(fn, T) (&generic::fn<T>)
+#define SCKPT_PICK(isa, fn, T) (&generic::fn<T>)
 #endif
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -153,7 +161,9 @@ void attention_forward(int dtype, std::array<int64_t, 6> sizes, uintptr_t q, Str
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using Acc = typename Elem<T>::Acc;
-    const auto tile_fn = SCKPT_PICK(forward_tile, T);
+    const Isa isa = best_isa();
+    p.bf16_dot = isa == Isa::avx512bf16 && std::is_same_v<T, bf16>;
+    const auto tile_fn = SCKPT_PICK(isa, forward_tile, T);
     const int64_t nqt = ceil_div(p.Sq, p.BM), tasks = p.B * p.H * nqt;
 #pragma omp parallel if (tasks > 1)
     {
@@ -192,9 +202,11 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using Acc = typename Elem<T>::Acc;
-    const auto delta_fn = SCKPT_PICK(delta_rows, T);
-    const auto dq_fn = SCKPT_PICK(dq_tile, T);
-    const auto dkv_fn = SCKPT_PICK(dkv_tile, T);
+    const Isa isa = best_isa();
+    p.bf16_dot = isa == Isa::avx512bf16 && std::is_same_v<T, bf16>;
+    const auto delta_fn = SCKPT_PICK(isa, delta_rows, T);
+    const auto dq_fn = SCKPT_PICK(isa, dq_tile, T);
+    const auto dkv_fn = SCKPT_PICK(isa, dkv_tile, T);
     const int64_t nqt = ceil_div(p.Sq, p.BM), nkt = ceil_div(p.Sk, p.BN);
     const int64_t qtasks = p.B * p.H * nqt, ktasks = p.B * p.Hkv * nkt;
 #pragma omp parallel
@@ -226,6 +238,7 @@ std::pair<int64_t, int64_t> attention_tiles(int64_t block_q, int64_t block_k) {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::avx512bf16: return "avx512bf16";
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "generic";
@@ -234,7 +247,7 @@ const char* isa_name(Isa isa) {
 
 const char* attention_isa() { return isa_name(best_isa()); }
 
-// Runs the kernels compiled for `name` ("generic", "avx2", "avx512", or "native" to undo), which
+// Runs the kernels compiled for `name` ("generic", "avx2", "avx512", "avx512bf16", or "native" to undo), which
 // this CPU must support; returns the previous choice.
 std::string attention_use_isa(const std::string& name) {
   const std::string old = g_isa.load() < 0 ? "native" : isa_name(best_isa());
@@ -243,7 +256,8 @@ std::string attention_use_isa(const std::string& name) {
   else if (name == "generic") chosen = int(Isa::generic);
   else if (name == "avx2") chosen = int(Isa::avx2);
   else if (name == "avx512") chosen = int(Isa::avx512);
-  else throw std::invalid_argument("attention ISA must be native, generic, avx2 or avx512");
+  else if (name == "avx512bf16") chosen = int(Isa::avx512bf16);
+  else throw std::invalid_argument("attention ISA must be native, generic, avx2, avx512 or avx512bf16");
   if (chosen > int(native_isa())) throw std::invalid_argument("this CPU does not run attention ISA " + name);
   g_isa.store(chosen);
   return old;

@@ -49,6 +49,10 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
   Acc *lse = w.m.data(), *delta = w.l.data();
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
   uint8_t* padv = w.padv.data();
+  // the bf16 dot path's operands (attention_dot.h)
+  const int64_t Dw = Dp / 2;
+  uint32_t *Qw = w.words[0].data(), *dOw = w.words[1].data(), *Kw = w.words[2].data(), *Vw = w.words[3].data();
+  uint32_t *Kpw = w.words[4].data(), *dSw = w.words[5].data();
 
   std::memset(static_cast<void*>(dQ), 0, size_t(M * Dp) * sizeof(Acc));
   const bool any_row = query_cols(p, bh, i0, n, N, true, lo, hi, lse, delta);
@@ -56,19 +60,34 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
   for (int64_t c = 0; c < n; ++c)
     if (lo[c] < hi[c]) klo = std::min(klo, lo[c]), khi = std::max(khi, hi[c]);
   if (any_row) {
-    load_rows_t(static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + i0 * p.qs[2], p.qs[2], n, N, D, Qt);
-    load_rows_t(static_cast<const T*>(p.dout) + (bh * p.Sq + i0) * D, D, n, N, D, dOt);
+    const T* qrows = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + i0 * p.qs[2];
+    const T* dorows = static_cast<const T*>(p.dout) + (bh * p.Sq + i0) * D;
+    if constexpr (kDot<T>) {
+      dot_cols(qrows, p.qs[2], n, N, D, Dw, Qw);
+      dot_cols(dorows, D, n, N, D, Dw, dOw);
+    } else {
+      load_rows_t(qrows, p.qs[2], n, N, D, Qt);
+      load_rows_t(dorows, D, n, N, D, dOt);
+    }
   }
   const T* kb = static_cast<const T*>(p.k) + b * p.ks[0] + kvh * p.ks[1];
   const T* vb = static_cast<const T*>(p.v) + b * p.vs[0] + kvh * p.vs[1];
   for (int64_t j0 = any_row ? klo / BN * BN : khi; j0 < khi; j0 += BN) {
     const int64_t nk = std::min(BN, p.Sk - j0), MK = round_up(nk, kMR);
     if (!tile_attended(lo, hi, n, j0, j0 + nk)) continue;
-    load_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dp, Kn);
-    load_rows(vb + j0 * p.vs[2], p.vs[2], nk, MK, D, Dp, Vn);
+    if constexpr (kDot<T>) {
+      dot_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dw, Kw);
+      dot_rows(vb + j0 * p.vs[2], p.vs[2], nk, MK, D, Dw, Vw);
+      dot_row_pairs(kb + j0 * p.ks[2], p.ks[2], nk, D, Dp, Kpw);
+      dot_gemm(Kw, Dw, Qw, N, MK, N, Dw, St, N, false);
+      dot_gemm(Vw, Dw, dOw, N, MK, N, Dw, dPt, N, false);
+    } else {
+      load_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dp, Kn);
+      load_rows(vb + j0 * p.vs[2], p.vs[2], nk, MK, D, Dp, Vn);
+      gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
+      gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
+    }
     pad_row(p, b, j0, nk, nk, padv);
-    gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
-    gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
     if (p.t16) keep_tile_bits(p, bh, i0, n, j0, nk, N, kbits);
     const bool full = tile_full(p, lo, hi, n, j0, j0 + nk);
     for (int64_t r = 0; r < nk; ++r) {
@@ -79,7 +98,12 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
                             : (p.t16 ? &dq_row<false, true, Acc> : &dq_row<false, false, Acc>);
       row(s, dp, N, j0 + r, pj, lo, hi, lse, delta, scale, kb, r & 7, ks);
     }
-    gemm<true>(dPt, N, Kn, Dp, M, Dp, nk, dQ, Dp, true);  // dQ += dS K, dS read from dS^T
+    if constexpr (kDot<T>) {  // dQ += dS K, dS rounded to bf16 pairs along keys
+      dot_pack_pairs(dPt, N, nk, N, dSw);
+      dot_gemm<true>(dSw, N, Kpw, Dp, M, Dp, (nk + 1) / 2, dQ, Dp, true);
+    } else {
+      gemm<true>(dPt, N, Kn, Dp, M, Dp, nk, dQ, Dp, true);  // dQ += dS K, dS read from dS^T
+    }
   }
   T* out = static_cast<T*>(p.dq) + (bh * p.Sq + i0) * D;
   for (int64_t r = 0; r < n; ++r)
@@ -103,11 +127,20 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
   Acc *dK = w.acc.data(), *dV = dK + tile;
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
   uint8_t* padv = w.padv.data();
+  // the bf16 dot path's operands (attention_dot.h)
+  const int64_t Dw = Dp / 2;
+  uint32_t *Kw = w.words[0].data(), *Vw = w.words[1].data(), *Qw = w.words[2].data(), *dOw = w.words[3].data();
+  uint32_t *Qpw = w.words[4].data(), *dOpw = w.words[5].data(), *Pw = w.words[6].data(), *dSw = w.words[7].data();
 
   const T* kb = static_cast<const T*>(p.k) + b * p.ks[0] + kvh * p.ks[1] + j0 * p.ks[2];
   const T* vb = static_cast<const T*>(p.v) + b * p.vs[0] + kvh * p.vs[1] + j0 * p.vs[2];
-  load_rows_t(kb, p.ks[2], nk, NK, D, Kt);
-  load_rows_t(vb, p.vs[2], nk, NK, D, Vt);
+  if constexpr (kDot<T>) {
+    dot_cols(kb, p.ks[2], nk, NK, D, Dw, Kw);
+    dot_cols(vb, p.vs[2], nk, NK, D, Dw, Vw);
+  } else {
+    load_rows_t(kb, p.ks[2], nk, NK, D, Kt);
+    load_rows_t(vb, p.vs[2], nk, NK, D, Vt);
+  }
   pad_row(p, b, j0, nk, NK, padv);
   std::memset(static_cast<void*>(dK), 0, size_t(MK * Dp) * sizeof(Acc));
   std::memset(static_cast<void*>(dV), 0, size_t(MK * Dp) * sizeof(Acc));
@@ -127,10 +160,19 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
         any |= lo[r] < j1 && hi[r] > j0 && lo[r] < hi[r];
       }
       if (!any) continue;
-      load_rows(qb + i0 * p.qs[2], p.qs[2], n, M, D, Dp, Qn);
-      load_rows(db + i0 * D, D, n, M, D, Dp, dOn);
-      gemm(Qn, Dp, Kt, NK, M, NK, D, S, NK, false);    // S = Q K^T
-      gemm(dOn, Dp, Vt, NK, M, NK, D, dP, NK, false);  // dP = dO V^T
+      if constexpr (kDot<T>) {
+        dot_rows(qb + i0 * p.qs[2], p.qs[2], n, M, D, Dw, Qw);
+        dot_rows(db + i0 * D, D, n, M, D, Dw, dOw);
+        dot_row_pairs(qb + i0 * p.qs[2], p.qs[2], n, D, Dp, Qpw);
+        dot_row_pairs(db + i0 * D, D, n, D, Dp, dOpw);
+        dot_gemm(Qw, Dw, Kw, NK, M, NK, Dw, S, NK, false);
+        dot_gemm(dOw, Dw, Vw, NK, M, NK, Dw, dP, NK, false);
+      } else {
+        load_rows(qb + i0 * p.qs[2], p.qs[2], n, M, D, Dp, Qn);
+        load_rows(db + i0 * D, D, n, M, D, Dp, dOn);
+        gemm(Qn, Dp, Kt, NK, M, NK, D, S, NK, false);    // S = Q K^T
+        gemm(dOn, Dp, Vt, NK, M, NK, D, dP, NK, false);  // dP = dO V^T
+      }
       if (p.t16) keep_tile_bits(p, bh, i0, n, j0, nk, BM, kbits);  // bit c & 7 of kbits[(c >> 3) * BM + r]
       for (int64_t r = 0; r < n; ++r) {
         Acc *s = S + r * NK, *dp = dP + r * NK;
@@ -172,8 +214,15 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
         if (p.t16)
           for (int64_t c = a; c < e; ++c) s[c] *= keep[c];
       }
-      gemm<true>(S, NK, dOn, Dp, MK, Dp, n, dV, Dp, true);  // dV += P~^T dO
-      gemm<true>(dP, NK, Qn, Dp, MK, Dp, n, dK, Dp, true);  // dK += dS^T Q
+      if constexpr (kDot<T>) {  // P~ and dS rounded to bf16 pairs along queries
+        dot_pack_pairs(S, NK, n, NK, Pw);
+        dot_pack_pairs(dP, NK, n, NK, dSw);
+        dot_gemm<true>(Pw, NK, dOpw, Dp, MK, Dp, (n + 1) / 2, dV, Dp, true);
+        dot_gemm<true>(dSw, NK, Qpw, Dp, MK, Dp, (n + 1) / 2, dK, Dp, true);
+      } else {
+        gemm<true>(S, NK, dOn, Dp, MK, Dp, n, dV, Dp, true);  // dV += P~^T dO
+        gemm<true>(dP, NK, Qn, Dp, MK, Dp, n, dK, Dp, true);  // dK += dS^T Q
+      }
     }
   }
   T* dkb = static_cast<T*>(p.dk) + ((b * p.Hkv + kvh) * p.Sk + j0) * D;

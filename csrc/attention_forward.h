@@ -17,8 +17,13 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
   Acc *alpha = w.e.data(), *lsum = w.f.data();
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
   uint8_t *padv = w.padv.data(), *seen = w.seen.data();
+  // the bf16 dot path's operands (attention_dot.h): Q^T and K paired along D, V and P along keys
+  const int64_t Dw = Dp / 2;
+  uint32_t *Qw = w.words[0].data(), *Kw = w.words[1].data(), *Vw = w.words[2].data(), *Pw = w.words[3].data();
 
-  load_rows_t(static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + i0 * p.qs[2], p.qs[2], n, N, D, Qt);
+  const T* qrows = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + i0 * p.qs[2];
+  if constexpr (kDot<T>) dot_cols(qrows, p.qs[2], n, N, D, Dw, Qw);
+  else load_rows_t(qrows, p.qs[2], n, N, D, Qt);
   query_cols<Acc>(p, bh, i0, n, N, false, lo, hi, nullptr, nullptr);
   for (int64_t c = 0; c < N; ++c) {
     m[c] = neg_inf;
@@ -31,10 +36,16 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
   for (int64_t j0 = lo[0] / BN * BN; j0 < hi[n - 1]; j0 += BN) {
     const int64_t nk = std::min(BN, p.Sk - j0), MK = round_up(nk, kMR);
     if (!tile_attended(lo, hi, n, j0, j0 + nk)) continue;  // e.g. a tile of another document
-    load_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dp, Kn);
-    load_rows(vb + j0 * p.vs[2], p.vs[2], nk, nk, D, Dp, V);
+    if constexpr (kDot<T>) {
+      dot_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dw, Kw);
+      dot_row_pairs(vb + j0 * p.vs[2], p.vs[2], nk, D, Dp, Vw);
+      dot_gemm(Kw, Dw, Qw, N, MK, N, Dw, St, N, false);
+    } else {
+      load_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dp, Kn);
+      load_rows(vb + j0 * p.vs[2], p.vs[2], nk, nk, D, Dp, V);
+      gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);
+    }
     pad_row(p, b, j0, nk, nk, padv);
-    gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);
     for (int64_t c = 0; c < N; ++c) {
       tmax[c] = neg_inf;
       lsum[c] = Acc(0);
@@ -86,7 +97,12 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
         for (int64_t d = 0; d < Dp; ++d) orow[d] *= alpha[c];
       }
     }
-    gemm<true>(St, N, V, Dp, M, Dp, nk, O, Dp, true);  // O += P V, P read from S^T
+    if constexpr (kDot<T>) {  // O += P V, P rounded to bf16 pairs along keys
+      dot_pack_pairs(St, N, nk, N, Pw);
+      dot_gemm<true>(Pw, N, Vw, Dp, M, Dp, (nk + 1) / 2, O, Dp, true);
+    } else {
+      gemm<true>(St, N, V, Dp, M, Dp, nk, O, Dp, true);  // O += P V, P read from S^T
+    }
   }
   T* ob = static_cast<T*>(p.o) + b * p.os[0] + h * p.os[1];
   float* lse = p.lse + bh * p.Sq;

@@ -31,6 +31,7 @@ struct Problem {
   PhiloxKey key{0};
   uint32_t t16;
   double keep_scale;
+  bool bf16_dot = false;  // bf16 tiles multiply in bf16 pairs (the AVX512_BF16 kernels)
 
   // Keys query row i may attend before padding: [lo, hi). lo and hi never decrease with i, so a
   // tile of rows attends within [lo(first), hi(last)).
@@ -73,6 +74,7 @@ struct Work {
   std::vector<int64_t> lo, hi;
   std::vector<uint8_t> padv, seen;
   std::vector<uint32_t> keepbits;  // a tile's dropout bits: one word per 8 keys and query
+  std::vector<uint32_t> words[8];  // bf16 operand tiles in pairs (attention_dot.h), when p.bf16_dot
   explicit Work(const Problem& p) {
     const int64_t T = std::max(p.BM, p.BN);
     const int64_t tile = T * std::max(T, p.Dp);  // a tile of scores or of rows
@@ -85,6 +87,8 @@ struct Work {
     seen.assign(size_t(T), 0);
     keepbits.assign(size_t((p.BN + 7) / 8 * T), 0u);
     keep.assign(size_t(T), Acc(0));  // one row's keep factors, unpacked from keepbits
+    if (p.bf16_dot)
+      for (auto& v : words) v.assign(size_t(tile), 0u);
   }
 };
 

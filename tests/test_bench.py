@@ -47,7 +47,7 @@ def test_quick_run_prints_the_table_and_writes_csv(quick_run):
     assert "selective keeps" in proc.stdout and "the SDPA layer under torch checkpoint" in proc.stdout
     assert "Llama selective keeps" in proc.stdout and "Llama rows: kv_heads=" in proc.stdout
     # the header names the CPU and the ISA the C++ kernels picked; --quick says its times are noise, first
-    assert re.search(r"^cpu=.+ cpp_kernels_isa=(avx512|avx2|generic)$", proc.stdout, re.M), proc.stdout[:500]
+    assert re.search(r"^cpu=.+ cpp_kernels_isa=(avx512bf16|avx512|avx2|generic)$", proc.stdout, re.M), proc.stdout[:500]
     caveat = [i for i, line in enumerate(proc.stdout.splitlines()) if line.startswith("--quick: ")]
     first_ratio = next(i for i, line in enumerate(proc.stdout.splitlines()) if line.startswith("seq 64: selective"))
     assert caveat and caveat[0] < first_ratio and "noise" in proc.stdout.splitlines()[caveat[0]]
@@ -70,7 +70,7 @@ def test_quick_run_prints_the_table_and_writes_csv(quick_run):
         for name in ("kept_memory.png", "step_time.png", "tradeoff.png"):
             assert (out / name).stat().st_size > 0, name
     for r in rows:
-        assert r["process"] == "main" and r["quick"] == "1" and r["cpp_kernels_isa"] in ("avx512", "avx2", "generic")
+        assert r["process"] == "main" and r["quick"] == "1" and r["cpp_kernels_isa"] in ("avx512bf16", "avx512", "avx2", "generic")
         base = "llama-sdpa@main" if r["row"].startswith("llama") else "sdpa@main"
         assert r["ratio_base_sdpa"] == base, r
 

@@ -41,7 +41,7 @@ def cpu_name():
 
 
 def kernel_isa():
-    """The instruction set the C++ attention kernels picked on this CPU (avx512, avx2 or generic)."""
+    """The instruction set the C++ attention kernels picked on this CPU (avx512bf16, avx512, avx2 or generic)."""
     from ..backend import _C
 
     return _C.attention_isa()

@@ -332,9 +332,14 @@ def test_public_attention_is_the_kernel(case):
         assert_within_rule(x, e, r, factor, name=name)
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+# every variant csrc/attention.cpp compiles; a test skips the ones this CPU cannot run
+ISAS = ["generic", "avx2", "avx512", "avx512bf16"]
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_every_compiled_isa(isa):
-    """The kernels are compiled per ISA (4- and 8-row register blocks); each one meets the rule."""
+    """The kernels are compiled per ISA (4- and 8-row register blocks, bf16 tiles in native dot
+    products under avx512bf16); each one meets the rule, odd head dims and tile edges included."""
     try:
         old = _C.attention_use_isa(isa)
     except ValueError:
@@ -343,12 +348,14 @@ def test_every_compiled_isa(isa):
         assert _C.attention_isa() == isa
         check(2, 4, 2, 113, 113, 80, torch.bfloat16, True, 0, True, False, p=0.17)
         check(1, 2, 1, 77, 45, 3, torch.float32, False, 9, True, True, p=0.0)
+        check(1, 2, 1, 77, 45, 3, torch.bfloat16, False, 9, True, True, p=0.0)
+        check(2, 2, 1, 45, 77, 40, torch.bfloat16, False, 0, False, False, p=0.17)
         check(1, 4, 2, 96, 96, 64, torch.float16, True, 5, cu=[0, 1, 40, 40, 96], p=0.17)
     finally:
         _C.attention_use_isa(old)
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_dropout_masks_are_the_contract_on_every_isa(isa):
     """The keep bits each pass draws (16 or 8 Philox calls side by side per ISA), read off exactly:
     with q = k = 0 and v = I, o is the kept P; with dO = I, dV[j, i] != 0 iff P[i, j] is kept."""
