@@ -44,6 +44,13 @@ namespace {
 std::atomic<int64_t> g_block_q{128};
 std::atomic<int64_t> g_block_k{64};
 
+// The backward's passes: the single pass (dQ, dK, dV from each score tile formed once) runs one task
+// per (batch, kv head), so it is chosen when there are at least kSinglePassTasks of them; by shape
+// alone, never by thread count, so one shape always sums in one order. attention_backward_passes
+// forces either way (tests and benchmarks); 0 = by shape.
+constexpr int64_t kSinglePassTasks = 8;
+std::atomic<int> g_passes{0};
+
 // The tile kernels per ISA; SCKPT_ATT_ISA is (namespace, scalar FMA, vector bytes, vector
 // multiply-add, NR, MR, bf16 dot), see attention_kernels.h. AVX-512 has 32 registers 16 floats wide:
 // 8 x 32 register blocks.
@@ -207,26 +214,40 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
     const auto delta_fn = SCKPT_PICK(isa, delta_rows, T);
     const auto dq_fn = SCKPT_PICK(isa, dq_tile, T);
     const auto dkv_fn = SCKPT_PICK(isa, dkv_tile, T);
+    const auto group_fn = SCKPT_PICK(isa, dqkv_group, T);
     const int64_t nqt = ceil_div(p.Sq, p.BM), nkt = ceil_div(p.Sk, p.BN);
-    const int64_t qtasks = p.B * p.H * nqt, ktasks = p.B * p.Hkv * nkt;
+    const int64_t qtasks = p.B * p.H * nqt, ktasks = p.B * p.Hkv * nkt, groups = p.B * p.Hkv;
+    const int passes = g_passes.load();
+    p.single_pass = passes == 1 || (passes == 0 && groups >= kSinglePassTasks);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < p.B * p.H; ++bh) delta_fn(p, bh, delta.data());
       Work<Acc> w(p);
+      if (p.single_pass) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < qtasks; ++task) {
-        const int64_t t = nqt - 1 - task / (p.B * p.H), bh = task % (p.B * p.H);
-        dq_fn(p, bh / p.H, bh % p.H, t, w);
-      }
-      // Under a causal mask the first key tiles are attended by the most queries: first out.
+        for (int64_t task = 0; task < groups; ++task) group_fn(p, task / p.Hkv, task % p.Hkv, w);
+      } else {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < ktasks; ++task) {
-        const int64_t t = task / (p.B * p.Hkv), bh = task % (p.B * p.Hkv);
-        dkv_fn(p, bh / p.Hkv, bh % p.Hkv, t, w);
+        for (int64_t task = 0; task < qtasks; ++task) {
+          const int64_t t = nqt - 1 - task / (p.B * p.H), bh = task % (p.B * p.H);
+          dq_fn(p, bh / p.H, bh % p.H, t, w, nullptr, nullptr);
+        }
+        // Under a causal mask the first key tiles are attended by the most queries: first out.
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ktasks; ++task) {
+          const int64_t t = task / (p.B * p.Hkv), bh = task % (p.B * p.Hkv);
+          dkv_fn(p, bh / p.Hkv, bh % p.Hkv, t, w);
+        }
       }
     }
   });
+}
+
+// Sets the backward's passes: 1 (single), 2 (dQ, then dK/dV) or 0 (by shape); returns the previous.
+int attention_backward_passes(int passes) {
+  if (passes < 0 || passes > 2) throw std::invalid_argument("attention backward passes must be 0 (by shape), 1 or 2");
+  return g_passes.exchange(passes);
 }
 
 // Sets the query and key tile sizes (multiples of 16 in [16, 512]); returns the previous ones.
@@ -276,6 +297,7 @@ void register_attention(py::module_& m) {
         py::arg("keep_scale"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::call_guard<py::gil_scoped_release>());
   m.def("attention_tiles", &attention_tiles, py::arg("block_q"), py::arg("block_k"));
   m.def("attention_isa", &attention_isa);
+  m.def("attention_backward_passes", &attention_backward_passes, py::arg("passes"));
   m.def("attention_use_isa", &attention_use_isa, py::arg("name"));
 }
 

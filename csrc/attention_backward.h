@@ -1,4 +1,6 @@
-// The backward passes of one ISA: delta, then dQ per query tile and dK/dV per key tile. A part of
+// The backward passes of one ISA: delta, then either one pass per (batch, kv head) that forms each
+// score tile once and adds it into dQ, dK and dV (dq_tile with dK/dV accumulators: 5 tile products),
+// or two passes, dQ per query tile and dK/dV per key tile (7 tile products, more tasks). A part of
 // attention_kernels.h, compiled inside the ISA's namespace: no #include here.
 
 // delta[b, h, i] = sum_d dO * O in Acc (O as stored, so it includes the dropout).
@@ -17,27 +19,44 @@ void delta_rows(const Problem& p, int64_t bh, float* delta) {
 }
 
 // dS^T = P^T * (dP^T * keep - delta) over key row r of a dQ tile (N query columns), P^T from the
-// scores s: in a full tile every entry is attended; otherwise by the ranges and padding. Four
-// specialisations, so that the loops without dropout or masks carry neither.
-template <bool kFull, bool kDrop, class Acc>
+// scores s: in a full tile every entry is attended; otherwise by the ranges and padding. With kP
+// (the single pass) s becomes the dropped-out P~^T = P^T * keep, for dV. Specialised, so that the
+// loops without dropout, masks or P carry none of them.
+template <bool kFull, bool kDrop, bool kP, class Acc>
 inline void dq_row(Acc* s, Acc* dp, int64_t N, int64_t j, bool pj, const int64_t* lo, const int64_t* hi,
                    const Acc* lse, const Acc* delta, Acc scale, const uint32_t* kb, int64_t t, Acc ks) {
   for (int64_t c = 0; c < N; ++c) {
     const Acc kf = kDrop ? keep_factor(kb[c], t, ks) : Acc(1);
     if (kFull) {
-      dp[c] = exp_nan(s[c] * scale - lse[c]) * (dp[c] * kf - delta[c]);
+      const Acc pr = exp_nan(s[c] * scale - lse[c]);
+      dp[c] = pr * (dp[c] * kf - delta[c]);
+      if (kP) s[c] = pr * kf;
     } else {
       const bool on = pj & (j >= lo[c]) & (j < hi[c]);
       const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lse[c]));
       dp[c] = or_zero(on, pr * (dp[c] * kf - delta[c]));
+      if (kP) s[c] = or_zero(on, pr * kf);
     }
   }
 }
 
+template <class Acc>
+using DqRow = void (*)(Acc*, Acc*, int64_t, int64_t, bool, const int64_t*, const int64_t*, const Acc*, const Acc*,
+                       Acc, const uint32_t*, int64_t, Acc);
+
+template <bool kP, class Acc>
+DqRow<Acc> dq_row_for(bool full, bool drop) {
+  return full ? (drop ? &dq_row<true, true, kP, Acc> : &dq_row<true, false, kP, Acc>)
+              : (drop ? &dq_row<false, true, kP, Acc> : &dq_row<false, false, kP, Acc>);
+}
+
 // dQ of one query tile of one head: dQ = scale * sum over key tiles of dS K. Like the forward,
-// S^T and dP^T are formed key-major from Q^T and dO^T, transposed once per tile.
+// S^T and dP^T are formed key-major from Q^T and dO^T, transposed once per tile. With dK and dV
+// (the single pass: [key tiles * BN, Dp] accumulators of this tile's kv head) it also adds
+// P~^T dO into dV and dS^T Q into dK from the same tiles.
 template <class T>
-void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename Elem<T>::Acc>& w) {
+void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename Elem<T>::Acc>& w,
+             typename Elem<T>::Acc* dK = nullptr, typename Elem<T>::Acc* dV = nullptr) {
   using Acc = typename Elem<T>::Acc;
   const int64_t D = p.D, Dp = p.Dp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
   const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
@@ -53,6 +72,11 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
   const int64_t Dw = Dp / 2;
   uint32_t *Qw = w.words[0].data(), *dOw = w.words[1].data(), *Kw = w.words[2].data(), *Vw = w.words[3].data();
   uint32_t *Kpw = w.words[4].data(), *dSw = w.words[5].data();
+  // the single pass's operands: Q and dO as rows (float path) or paired along queries (dot path)
+  const bool fused = dK != nullptr;
+  const int64_t tile = int64_t(w.acc.size() / 3), Nw = N / 2;
+  Acc *Qn = w.acc.data() + tile, *dOn = w.acc.data() + 2 * tile;
+  uint32_t *Qpw = w.words[6].data(), *dOpw = w.words[7].data(), *Pw = w.words[8].data(), *dSw2 = w.words[9].data();
 
   std::memset(static_cast<void*>(dQ), 0, size_t(M * Dp) * sizeof(Acc));
   const bool any_row = query_cols(p, bh, i0, n, N, true, lo, hi, lse, delta);
@@ -65,9 +89,17 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     if constexpr (kDot<T>) {
       dot_cols(qrows, p.qs[2], n, N, D, Dw, Qw);
       dot_cols(dorows, D, n, N, D, Dw, dOw);
+      if (fused) {
+        dot_row_pairs(qrows, p.qs[2], n, D, Dp, Qpw);
+        dot_row_pairs(dorows, D, n, D, Dp, dOpw);
+      }
     } else {
       load_rows_t(qrows, p.qs[2], n, N, D, Qt);
       load_rows_t(dorows, D, n, N, D, dOt);
+      if (fused) {
+        load_rows(qrows, p.qs[2], n, n, D, Dp, Qn);
+        load_rows(dorows, D, n, n, D, Dp, dOn);
+      }
     }
   }
   const T* kb = static_cast<const T*>(p.k) + b * p.ks[0] + kvh * p.ks[1];
@@ -90,13 +122,21 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     pad_row(p, b, j0, nk, nk, padv);
     if (p.t16) keep_tile_bits(p, bh, i0, n, j0, nk, N, kbits);
     const bool full = tile_full(p, lo, hi, n, j0, j0 + nk);
-    for (int64_t r = 0; r < nk; ++r) {
-      Acc *s = St + r * N, *dp = dPt + r * N;
-      const uint32_t* kb = kbits + (r >> 3) * N;
-      const bool pj = padv[r] != 0;
-      const auto row = full ? (p.t16 ? &dq_row<true, true, Acc> : &dq_row<true, false, Acc>)
-                            : (p.t16 ? &dq_row<false, true, Acc> : &dq_row<false, false, Acc>);
-      row(s, dp, N, j0 + r, pj, lo, hi, lse, delta, scale, kb, r & 7, ks);
+    const DqRow<Acc> row = fused ? dq_row_for<true, Acc>(full, p.t16) : dq_row_for<false, Acc>(full, p.t16);
+    for (int64_t r = 0; r < nk; ++r)
+      row(St + r * N, dPt + r * N, N, j0 + r, padv[r] != 0, lo, hi, lse, delta, scale, kbits + (r >> 3) * N, r & 7, ks);
+    // the single pass: dV += P~^T dO and dK += dS^T Q over this tile's n queries. Rows nk..MK of
+    // S^T and dP^T are products with the zero rows past nk: they add 0 into rows past the tile.
+    if (fused) {
+      if constexpr (kDot<T>) {
+        dot_pack_rows(St, N, MK, n, Nw, Pw);
+        dot_pack_rows(dPt, N, MK, n, Nw, dSw2);
+        dot_gemm(Pw, Nw, dOpw, Dp, MK, Dp, (n + 1) / 2, dV + j0 * Dp, Dp, true);
+        dot_gemm(dSw2, Nw, Qpw, Dp, MK, Dp, (n + 1) / 2, dK + j0 * Dp, Dp, true);
+      } else {
+        gemm(St, N, dOn, Dp, MK, Dp, n, dV + j0 * Dp, Dp, true);
+        gemm(dPt, N, Qn, Dp, MK, Dp, n, dK + j0 * Dp, Dp, true);
+      }
     }
     if constexpr (kDot<T>) {  // dQ += dS K, dS rounded to bf16 pairs along keys
       dot_pack_pairs(dPt, N, nk, N, dSw);
@@ -228,6 +268,29 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
   T* dkb = static_cast<T*>(p.dk) + ((b * p.Hkv + kvh) * p.Sk + j0) * D;
   T* dvb = static_cast<T*>(p.dv) + ((b * p.Hkv + kvh) * p.Sk + j0) * D;
   for (int64_t r = 0; r < nk; ++r)
+    for (int64_t d = 0; d < D; ++d) {
+      Elem<T>::store(dkb + r * D + d, dK[r * Dp + d] * scale);
+      Elem<T>::store(dvb + r * D + d, dV[r * Dp + d]);
+    }
+}
+
+// The single pass for one kv head: every query tile of every query head of its group, in order,
+// against the key tiles it attends; each task owns its dK/dV accumulators and its heads' dQ rows,
+// so nothing is shared and the sums run in a fixed order.
+template <class T>
+void dqkv_group(const Problem& p, int64_t b, int64_t kvh, Work<typename Elem<T>::Acc>& w) {
+  using Acc = typename Elem<T>::Acc;
+  const int64_t D = p.D, Dp = p.Dp;
+  Acc* dK = w.kv.data();
+  Acc* dV = dK + w.kv.size() / 2;
+  std::fill(w.kv.begin(), w.kv.end(), Acc(0));
+  const int64_t nqt = (p.Sq + p.BM - 1) / p.BM;
+  for (int64_t g = 0; g < p.G; ++g)
+    for (int64_t t = 0; t < nqt; ++t) dq_tile<T>(p, b, kvh * p.G + g, t, w, dK, dV);
+  const Acc scale = Acc(p.scale);
+  T* dkb = static_cast<T*>(p.dk) + (b * p.Hkv + kvh) * p.Sk * D;
+  T* dvb = static_cast<T*>(p.dv) + (b * p.Hkv + kvh) * p.Sk * D;
+  for (int64_t r = 0; r < p.Sk; ++r)
     for (int64_t d = 0; d < D; ++d) {
       Elem<T>::store(dkb + r * D + d, dK[r * Dp + d] * scale);
       Elem<T>::store(dvb + r * D + d, dV[r * Dp + d]);

@@ -87,6 +87,18 @@ inline void dot_pack_pairs(const float* s, int64_t lds, int64_t K, int64_t M, ui
   }
 }
 
+// A float tile s [R x K] (row r, ld lds) rounded to bf16 pairs along its rows: out[r * Kw + kp]
+// = (s[r, 2kp], s[r, 2kp+1]), for the A operand by rows (P~^T or dS^T times a row-paired B). An odd
+// K pairs its last column with 0.
+inline void dot_pack_rows(const float* s, int64_t lds, int64_t R, int64_t K, int64_t Kw, uint32_t* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* sr = s + r * lds;
+    uint32_t* o = out + r * Kw;
+    for (int64_t kp = 0; kp < K / 2; ++kp) o[kp] = (bf16_high(sr[2 * kp]) >> 16) | bf16_high(sr[2 * kp + 1]);
+    if (K % 2) o[K / 2] = bf16_high(sr[K - 1]) >> 16;
+  }
+}
+
 // One register block: C[kMR x NV vectors] (+)= A[kMR x 2Kp] B[2Kp x NV vectors] in bf16 pairs.
 template <int NV, bool TA>
 inline void dot_block(const uint32_t* __restrict a, int64_t lda, const uint32_t* __restrict b, int64_t ldb,

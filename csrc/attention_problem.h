@@ -32,6 +32,7 @@ struct Problem {
   uint32_t t16;
   double keep_scale;
   bool bf16_dot = false;  // bf16 tiles multiply in bf16 pairs (the AVX512_BF16 kernels)
+  bool single_pass = false;  // backward: one pass per (batch, kv head), dK/dV accumulated per task
 
   // Keys query row i may attend before padding: [lo, hi). lo and hi never decrease with i, so a
   // tile of rows attends within [lo(first), hi(last)).
@@ -74,7 +75,8 @@ struct Work {
   std::vector<int64_t> lo, hi;
   std::vector<uint8_t> padv, seen;
   std::vector<uint32_t> keepbits;  // a tile's dropout bits: one word per 8 keys and query
-  std::vector<uint32_t> words[8];  // bf16 operand tiles in pairs (attention_dot.h), when p.bf16_dot
+  std::vector<uint32_t> words[10];  // bf16 operand tiles in pairs (attention_dot.h), when p.bf16_dot
+  std::vector<Acc> kv;  // the single pass's dK and dV of one kv head, [key tiles * BN, Dp] each
   explicit Work(const Problem& p) {
     const int64_t T = std::max(p.BM, p.BN);
     const int64_t tile = T * std::max(T, p.Dp);  // a tile of scores or of rows
@@ -89,6 +91,7 @@ struct Work {
     keep.assign(size_t(T), Acc(0));  // one row's keep factors, unpacked from keepbits
     if (p.bf16_dot)
       for (auto& v : words) v.assign(size_t(tile), 0u);
+    if (p.single_pass) kv.assign(size_t(2 * ((p.Sk + p.BN - 1) / p.BN) * p.BN * p.Dp), Acc(0));
   }
 };
 

@@ -32,6 +32,15 @@ def tiles():
         _C.attention_tiles(*old[0])
 
 
+@pytest.fixture(params=[1, 2], ids=["single-pass", "two-pass"])
+def backward_passes(request):
+    """Forces the backward's single pass (dQ, dK, dV from each score tile formed once) or its two
+    passes for one test, whatever the shape would choose."""
+    old = _C.attention_backward_passes(request.param)
+    yield request.param
+    _C.attention_backward_passes(old)
+
+
 def _args(q, k, v, mask, cu, causal, window, scale, p, seed):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -162,7 +171,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_matches_reference(case, dtype):
+def test_matches_reference(case, dtype, backward_passes):
     B, H, Hkv, Sq, Sk, D, causal, window, pad, empty, p = case
     check(B, H, Hkv, Sq, Sk, D, dtype, causal, window, pad, empty, p=p)
 
@@ -179,14 +188,14 @@ PACKED = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", PACKED, ids=lambda c: "-".join(map(str, c)))
-def test_packed_documents(case, dtype):
+def test_packed_documents(case, dtype, backward_passes):
     cu, causal, window, p = case
     S = cu[-1]
     check(1, 4, 2, S, S, 64, dtype, causal, window, cu=cu, p=p, packed=True)
 
 
 @pytest.mark.parametrize("bq,bk", [(16, 16), (16, 48), (48, 16), (128, 256)])
-def test_tile_sizes(bq, bk, tiles):
+def test_tile_sizes(bq, bk, tiles, backward_passes):
     """Block skipping and tile edges hold for unequal and small tiles."""
     tiles(bq, bk)
     check(2, 4, 2, 113, 113, 80, torch.float32, True, 0, True, False, p=0.17)
@@ -199,16 +208,22 @@ def test_window_and_custom_scale_fp16():
     check(1, 2, 1, 77, 77, 64, torch.float16, False, 200, scale=0.05)
 
 
-def test_identical_calls_are_bit_identical():
+def test_identical_calls_are_bit_identical(backward_passes):
     q, k, v = make(2, 4, 2, 113, 113, 64, torch.bfloat16, packed=True)
     grad = torch.randn(2, 4, 113, 64).to(torch.bfloat16)
     kw = dict(causal=True, p=0.17, seed=99)
     results = []
-    for _ in range(2):
-        o, lse = kernel_forward(q, k, v, **kw)
-        results.append((o, lse, *kernel_backward(grad, q, k, v, o, lse, **kw)))
-    for x, y in zip(*results):
-        assert torch.equal(x, y)
+    threads = torch.get_num_threads()
+    try:
+        for n in (threads, 1, threads):  # the thread count never changes the order of a sum
+            torch.set_num_threads(n)
+            o, lse = kernel_forward(q, k, v, **kw)
+            results.append((o, lse, *kernel_backward(grad, q, k, v, o, lse, **kw)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for x, y in zip(results[0], other):
+            assert torch.equal(x, y)
 
 
 def test_dropout_mask_is_the_contract():
@@ -337,7 +352,7 @@ ISAS = ["generic", "avx2", "avx512", "avx512bf16"]
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_every_compiled_isa(isa):
+def test_every_compiled_isa(isa, backward_passes):
     """The kernels are compiled per ISA (4- and 8-row register blocks, bf16 tiles in native dot
     products under avx512bf16); each one meets the rule, odd head dims and tile edges included."""
     try:
