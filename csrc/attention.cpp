@@ -45,9 +45,10 @@ std::atomic<int64_t> g_block_q{128};
 std::atomic<int64_t> g_block_k{64};
 
 // The backward's passes: the single pass (dQ, dK, dV from each score tile formed once) runs one task
-// per (batch, kv head), so it is chosen when there are at least kSinglePassTasks of them; by shape
-// alone, never by thread count, so one shape always sums in one order. attention_backward_passes
-// forces either way (tests and benchmarks); 0 = by shape.
+// per (batch, kv head) and key chunk, with enough chunks for kSinglePassTasks tasks (their partial
+// dQ summed after, in order). The two passes, whose tasks are per tile, take shapes with too few key
+// tiles to make that many tasks. By shape alone, never by thread count, so one shape always sums in one order;
+// attention_backward_passes forces either way (tests and benchmarks); 0 = by shape.
 constexpr int64_t kSinglePassTasks = 8;
 std::atomic<int> g_passes{0};
 
@@ -215,10 +216,18 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
     const auto dq_fn = SCKPT_PICK(isa, dq_tile, T);
     const auto dkv_fn = SCKPT_PICK(isa, dkv_tile, T);
     const auto group_fn = SCKPT_PICK(isa, dqkv_group, T);
+    const auto sum_fn = SCKPT_PICK(isa, dq_chunks_sum, T);
     const int64_t nqt = ceil_div(p.Sq, p.BM), nkt = ceil_div(p.Sk, p.BN);
     const int64_t qtasks = p.B * p.H * nqt, ktasks = p.B * p.Hkv * nkt, groups = p.B * p.Hkv;
     const int passes = g_passes.load();
-    p.single_pass = passes == 1 || (passes == 0 && groups >= kSinglePassTasks);
+    p.chunks = std::min(nkt, ceil_div(kSinglePassTasks, groups));
+    p.single_pass = passes == 1 || (passes == 0 && groups * p.chunks >= kSinglePassTasks);
+    std::vector<Acc> part;
+    if (p.single_pass && p.chunks > 1) {
+      part.assign(size_t(p.chunks * p.B * p.H * p.Sq * p.Dp), Acc(0));
+      p.dq_part = part.data();
+    }
+    const int64_t chunked_tasks = groups * p.chunks;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -226,12 +235,19 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
       Work<Acc> w(p);
       if (p.single_pass) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < groups; ++task) group_fn(p, task / p.Hkv, task % p.Hkv, w);
+        for (int64_t task = 0; task < chunked_tasks; ++task) {
+          const int64_t g = task / p.chunks;
+          group_fn(p, g / p.Hkv, g % p.Hkv, task % p.chunks, w);
+        }
+        if (p.chunks > 1) {
+#pragma omp for schedule(static)
+          for (int64_t row = 0; row < p.B * p.H * p.Sq; ++row) sum_fn(p, row);
+        }
       } else {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < qtasks; ++task) {
           const int64_t t = nqt - 1 - task / (p.B * p.H), bh = task % (p.B * p.H);
-          dq_fn(p, bh / p.H, bh % p.H, t, w, nullptr, nullptr);
+          dq_fn(p, bh / p.H, bh % p.H, t, w, nullptr, nullptr, 0, p.Sk, nullptr);
         }
         // Under a causal mask the first key tiles are attended by the most queries: first out.
 #pragma omp for schedule(dynamic, 1)

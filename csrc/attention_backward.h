@@ -52,11 +52,14 @@ DqRow<Acc> dq_row_for(bool full, bool drop) {
 
 // dQ of one query tile of one head: dQ = scale * sum over key tiles of dS K. Like the forward,
 // S^T and dP^T are formed key-major from Q^T and dO^T, transposed once per tile. With dK and dV
-// (the single pass: [key tiles * BN, Dp] accumulators of this tile's kv head) it also adds
-// P~^T dO into dV and dS^T Q into dK from the same tiles.
+// (the single pass: accumulators of this tile's kv head for keys jlo..jhi, row 0 = key jlo) it
+// visits only the key tiles in [jlo, jhi) and also adds P~^T dO into dV and dS^T Q into dK from
+// the same tiles; with `part` it leaves its unscaled partial dQ there (rows [bh, i0.., Dp]) for the
+// caller to sum over key chunks, instead of storing dQ.
 template <class T>
 void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename Elem<T>::Acc>& w,
-             typename Elem<T>::Acc* dK = nullptr, typename Elem<T>::Acc* dV = nullptr) {
+             typename Elem<T>::Acc* dK, typename Elem<T>::Acc* dV, int64_t jlo, int64_t jhi,
+             typename Elem<T>::Acc* part) {
   using Acc = typename Elem<T>::Acc;
   const int64_t D = p.D, Dp = p.Dp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
   const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
@@ -104,7 +107,8 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
   }
   const T* kb = static_cast<const T*>(p.k) + b * p.ks[0] + kvh * p.ks[1];
   const T* vb = static_cast<const T*>(p.v) + b * p.vs[0] + kvh * p.vs[1];
-  for (int64_t j0 = any_row ? klo / BN * BN : khi; j0 < khi; j0 += BN) {
+  khi = std::min(khi, jhi);
+  for (int64_t j0 = any_row ? std::max(klo / BN * BN, jlo) : khi; j0 < khi; j0 += BN) {
     const int64_t nk = std::min(BN, p.Sk - j0), MK = round_up(nk, kMR);
     if (!tile_attended(lo, hi, n, j0, j0 + nk)) continue;
     if constexpr (kDot<T>) {
@@ -131,11 +135,11 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
       if constexpr (kDot<T>) {
         dot_pack_rows(St, N, MK, n, Nw, Pw);
         dot_pack_rows(dPt, N, MK, n, Nw, dSw2);
-        dot_gemm(Pw, Nw, dOpw, Dp, MK, Dp, (n + 1) / 2, dV + j0 * Dp, Dp, true);
-        dot_gemm(dSw2, Nw, Qpw, Dp, MK, Dp, (n + 1) / 2, dK + j0 * Dp, Dp, true);
+        dot_gemm(Pw, Nw, dOpw, Dp, MK, Dp, (n + 1) / 2, dV + (j0 - jlo) * Dp, Dp, true);
+        dot_gemm(dSw2, Nw, Qpw, Dp, MK, Dp, (n + 1) / 2, dK + (j0 - jlo) * Dp, Dp, true);
       } else {
-        gemm(St, N, dOn, Dp, MK, Dp, n, dV + j0 * Dp, Dp, true);
-        gemm(dPt, N, Qn, Dp, MK, Dp, n, dK + j0 * Dp, Dp, true);
+        gemm(St, N, dOn, Dp, MK, Dp, n, dV + (j0 - jlo) * Dp, Dp, true);
+        gemm(dPt, N, Qn, Dp, MK, Dp, n, dK + (j0 - jlo) * Dp, Dp, true);
       }
     }
     if constexpr (kDot<T>) {  // dQ += dS K, dS rounded to bf16 pairs along keys
@@ -144,6 +148,10 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     } else {
       gemm<true>(dPt, N, Kn, Dp, M, Dp, nk, dQ, Dp, true);  // dQ += dS K, dS read from dS^T
     }
+  }
+  if (part != nullptr) {
+    std::memcpy(static_cast<void*>(part + (bh * p.Sq + i0) * Dp), dQ, size_t(n * Dp) * sizeof(Acc));
+    return;
   }
   T* out = static_cast<T*>(p.dq) + (bh * p.Sq + i0) * D;
   for (int64_t r = 0; r < n; ++r)
@@ -274,25 +282,45 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
     }
 }
 
-// The single pass for one kv head: every query tile of every query head of its group, in order,
-// against the key tiles it attends; each task owns its dK/dV accumulators and its heads' dQ rows,
-// so nothing is shared and the sums run in a fixed order.
+// The single pass for one kv head and one chunk c of its key tiles (p.chunks of them; 1 unless there
+// are fewer kv heads than kSinglePassTasks): every query tile of every query head of its group, in
+// order, against the chunk's key tiles it attends. Each task owns its chunk's dK/dV accumulators and
+// either its heads' dQ rows (one chunk) or their partial dQ in chunk c's buffer, summed afterwards in
+// chunk order (dq_chunks_sum): nothing is shared and every sum runs in a fixed order.
 template <class T>
-void dqkv_group(const Problem& p, int64_t b, int64_t kvh, Work<typename Elem<T>::Acc>& w) {
+void dqkv_group(const Problem& p, int64_t b, int64_t kvh, int64_t c, Work<typename Elem<T>::Acc>& w) {
   using Acc = typename Elem<T>::Acc;
-  const int64_t D = p.D, Dp = p.Dp;
+  const int64_t D = p.D, Dp = p.Dp, nkt = (p.Sk + p.BN - 1) / p.BN;
+  const int64_t jlo = c * nkt / p.chunks * p.BN, jhi = std::min(p.Sk, (c + 1) * nkt / p.chunks * p.BN);
   Acc* dK = w.kv.data();
   Acc* dV = dK + w.kv.size() / 2;
-  std::fill(w.kv.begin(), w.kv.end(), Acc(0));
+  const size_t used = size_t(round_up(jhi - jlo, p.BN) * Dp);
+  std::fill(dK, dK + used, Acc(0));
+  std::fill(dV, dV + used, Acc(0));
+  Acc* part = p.chunks > 1 ? static_cast<Acc*>(p.dq_part) + c * p.B * p.H * p.Sq * Dp : nullptr;
   const int64_t nqt = (p.Sq + p.BM - 1) / p.BM;
   for (int64_t g = 0; g < p.G; ++g)
-    for (int64_t t = 0; t < nqt; ++t) dq_tile<T>(p, b, kvh * p.G + g, t, w, dK, dV);
+    for (int64_t t = 0; t < nqt; ++t) dq_tile<T>(p, b, kvh * p.G + g, t, w, dK, dV, jlo, jhi, part);
   const Acc scale = Acc(p.scale);
-  T* dkb = static_cast<T*>(p.dk) + (b * p.Hkv + kvh) * p.Sk * D;
-  T* dvb = static_cast<T*>(p.dv) + (b * p.Hkv + kvh) * p.Sk * D;
-  for (int64_t r = 0; r < p.Sk; ++r)
+  T* dkb = static_cast<T*>(p.dk) + ((b * p.Hkv + kvh) * p.Sk + jlo) * D;
+  T* dvb = static_cast<T*>(p.dv) + ((b * p.Hkv + kvh) * p.Sk + jlo) * D;
+  for (int64_t r = 0; r < jhi - jlo; ++r)
     for (int64_t d = 0; d < D; ++d) {
       Elem<T>::store(dkb + r * D + d, dK[r * Dp + d] * scale);
       Elem<T>::store(dvb + r * D + d, dV[r * Dp + d]);
     }
+}
+
+// dQ row `row` of [B * H * Sq] = scale * the sum of the key chunks' partial rows, in chunk order.
+template <class T>
+void dq_chunks_sum(const Problem& p, int64_t row) {
+  using Acc = typename Elem<T>::Acc;
+  const Acc* part = static_cast<const Acc*>(p.dq_part) + row * p.Dp;
+  const int64_t stride = p.B * p.H * p.Sq * p.Dp;
+  T* out = static_cast<T*>(p.dq) + row * p.D;
+  for (int64_t d = 0; d < p.D; ++d) {
+    Acc sum = part[d];
+    for (int64_t c = 1; c < p.chunks; ++c) sum += part[c * stride + d];
+    Elem<T>::store(out + d, sum * Acc(p.scale));
+  }
 }

@@ -33,6 +33,8 @@ struct Problem {
   double keep_scale;
   bool bf16_dot = false;  // bf16 tiles multiply in bf16 pairs (the AVX512_BF16 kernels)
   bool single_pass = false;  // backward: one pass per (batch, kv head), dK/dV accumulated per task
+  int64_t chunks = 1;        // the single pass's key chunks per kv head (their partial dQ sum after)
+  void* dq_part = nullptr;   // [chunks, B * H * Sq, Dp] partial dQ in Acc when chunks > 1
 
   // Keys query row i may attend before padding: [lo, hi). lo and hi never decrease with i, so a
   // tile of rows attends within [lo(first), hi(last)).
