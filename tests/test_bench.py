@@ -278,3 +278,16 @@ def test_progress_falls_back_to_plain_lines(monkeypatch, capsys):
     quiet = bench.Progress(1, enabled=False)
     quiet.update("x")
     assert capsys.readouterr().err == ""
+
+
+def test_attention_table_prints_every_grid_row():
+    """bench.attention --table: one row per (mask, D, dtype, S), with the fwd+bwd and forward ratios."""
+    cmd = [sys.executable, "-m", "selective_ckpt.bench.attention", "--table", "--seqs", "24,40", "--dims", "16",
+           "--dtypes", "fp32,bf16", "--full", "--rounds", "1", "--no-packed"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"kernel ISA (avx512bf16|avx512|avx2|generic)", proc.stdout), proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if re.match(r" +\d+ +16 ", line)]
+    assert sorted((r[0], r[2], r[3]) for r in rows) == sorted(
+        (s, m, d) for s in ("24", "40") for m in ("causal", "none") for d in ("fp32", "bf16")), proc.stdout
+    assert all(float(r[-3]) > 0 and float(r[-6]) > 0 for r in rows), proc.stdout  # both ratios printed

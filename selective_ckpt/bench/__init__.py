@@ -1,4 +1,4 @@
-"""The main job: activation memory, peak memory and step time of one decoder layer stack, ten ways,
+"""The main job: activation memory, peak memory and step time of one decoder layer stack, eleven ways,
 plus a Llama-style layer two ways.
 
     python -m selective_ckpt.bench                 # CPU: h=512, a=8, 2 layers, B=2, seq 256/512/1024
@@ -17,6 +17,9 @@ Rows, measured in the same run on the same input:
                    there and printed under it, "SDPA layer (in the ... process)": the compiled row's
                    "time vs sdpa" is to that row; --quick skips them)
   none / selective / full   SelectiveDecoderLayer with that recompute mode
+  selective-compile   the selective stack under torch.compile (a process of its own, like the SDPA
+                   compiled rows: compare its "time vs sdpa" with sdpa-compile-budget's, both to the
+                   SDPA layer timed in their own process)
   llama-sdpa       a Llama-style layer (same hidden size and heads, kv heads = heads / 4, RMSNorm,
                    RoPE, SwiGLU of width 3.5 h, no biases) on nn modules and SDPA (enable_gqa)
   llama-selective  SelectiveDecoderLayer of that shape, selective; its "kept/time vs eager" and

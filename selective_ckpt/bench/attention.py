@@ -9,9 +9,10 @@ forward (halved when causal) and 2.5 times that for the backward.
 
     python -m selective_ckpt.bench.attention --batch 2 --heads 8 --seq 512 --dim 64
 
-`--table` runs the CPU comparison instead: our fwd+bwd against SDPA's, interleaved round by round
-in one process (fp32 causal B=2 H=8 D=64 at S 512-4096, bf16 at 2048), medians with p20/p80, and
-16 packed documents of 256 (cu_seqlens) against one document of 4096 through our kernel.
+`--table` runs the CPU comparison instead: our fwd+bwd and our forward alone against SDPA's,
+interleaved round by round in one process (B=2 H=8, causal; `--seqs`, `--dims`, `--dtypes` and
+`--full` (also unmasked) choose the grid, default S 1024-4096, D 64, fp32/bf16/fp16), medians with
+p20/p80, then 16 packed documents of 256 (cu_seqlens) against one document of 4096 through our kernel.
 `--tiles 128x64,64x64` also sweeps the C++ kernel's query x key tile sizes.
 """
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 import selective_ckpt
 from selective_ckpt import backend, memory
+from selective_ckpt.bench.output import cpu_name
 from selective_ckpt.bench.runner import sync
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -158,33 +160,70 @@ def fmt(q3, scale=1e3):
     return f"{med * scale:9.1f} [{lo * scale:.1f}, {hi * scale:.1f}]"
 
 
+def fwd_seconds(fn, q, k, v):
+    """Seconds of one forward without autograd (what inference and a recomputing forward pay)."""
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        fn(q, k, v)
+        return time.perf_counter() - t0
+
+
+def interleaved_fwd(fns, q, k, v, rounds, warmup=1):
+    """Like interleaved, forward alone: per-round ratios of each fn to the first."""
+    times = {n: [] for n in fns}
+    for r in range(warmup + rounds):
+        for n in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+            t = fwd_seconds(fns[n], q, k, v)
+            if r >= warmup:
+                times[n].append(t)
+    first = next(iter(fns))
+    return {n: [a / b for a, b in zip(times[n], times[first])] for n in fns}
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def run_table(args):
-    B, H, D = 2, 8, 64
-    configs = [(S, "fp32") for S in (512, 1024, 2048, 4096)] + [(2048, "bf16")]
+    B, H = 2, 8
+    seqs, dims, dtypes = _ints(args.seqs), _ints(args.dims), [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    masks = [True] + ([False] if args.full else [])
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")] if args.tiles else []
     default_tiles = backend._C.attention_tiles(64, 64)
     backend._C.attention_tiles(*default_tiles)
-    print(f"CPU attention fwd+bwd, causal, B={B} H={H} D={D}, {args.rounds} interleaved rounds "
-          f"(torch threads {torch.get_num_threads()}, kernel ISA {backend._C.attention_isa()}, "
-          f"tiles {default_tiles[0]}x{default_tiles[1]}); ms median [p20, p80], ratio = ours / SDPA per round")
-    print(f"{'S':>6} {'dtype':>5} {'SDPA ms':>26} {'ours ms':>26} {'ratio':>22}")
-    for S, dt in configs:
-        qkv = torch.randn(B, S, 3, H, D, dtype=DTYPES[dt], requires_grad=True)
-        grad = torch.randn(B, H, S, D, dtype=DTYPES[dt])
-        mine = lambda q, k, v: ours(q, k, v, True, 0.0)
-        fns = {"sdpa": (lambda q, k, v: sdpa(q, k, v, True, 0.0), None), "ours": (mine, None)}
-        fns.update({f"ours {bq}x{bk}": (mine, (bq, bk)) for bq, bk in tiles})
-        rounds = args.rounds if S < 4096 else max(3, args.rounds // 2)
-        times, ratios = interleaved(fns, qkv, grad, rounds)
-        for n in fns:
-            if n == "sdpa":
-                continue
-            r = quantiles(ratios[n])
-            label = "" if n == "ours" else f"  ({n})"
-            print(f"{S:>6} {dt:>5} {fmt(quantiles(times['sdpa'])):>26} {fmt(quantiles(times[n])):>26} "
-                  f"{r[1]:>8.3f} [{r[0]:.3f}, {r[2]:.3f}]{label}")
+    print(f"CPU: {cpu_name()}")
+    print(f"CPU attention against SDPA, B={B} H={H}, {args.rounds} interleaved rounds (torch threads "
+          f"{torch.get_num_threads()}, kernel ISA {backend._C.attention_isa()}, tiles {default_tiles[0]}x"
+          f"{default_tiles[1]}); ms median [p20, p80], ratio = ours / SDPA per round")
+    print(f"{'S':>6} {'D':>4} {'mask':>6} {'dtype':>5} {'SDPA fwd+bwd ms':>26} {'ours fwd+bwd ms':>26} "
+          f"{'fwd+bwd ratio':>22} {'forward ratio':>22}")
+    for causal in masks:
+        for D in dims:
+            for dt in dtypes:
+                for S in seqs:
+                    qkv = torch.randn(B, S, 3, H, D, dtype=DTYPES[dt], requires_grad=True)
+                    grad = torch.randn(B, H, S, D, dtype=DTYPES[dt])
+                    mine = lambda q, k, v: ours(q, k, v, causal, 0.0)
+                    theirs = lambda q, k, v: sdpa(q, k, v, causal, 0.0)
+                    fns = {"sdpa": (theirs, None), "ours": (mine, None)}
+                    fns.update({f"ours {bq}x{bk}": (mine, (bq, bk)) for bq, bk in tiles})
+                    rounds = args.rounds if S < 4096 else max(3, args.rounds // 2)
+                    times, ratios = interleaved(fns, qkv, grad, rounds)
+                    fwd = interleaved_fwd({"sdpa": theirs, "ours": mine}, *views(qkv), rounds)["ours"]
+                    for n in fns:
+                        if n == "sdpa":
+                            continue
+                        r = quantiles(ratios[n])
+                        f = quantiles(fwd) if n == "ours" else None
+                        label = "" if n == "ours" else f"  ({n})"
+                        fcol = f"{f[1]:>8.3f} [{f[0]:.3f}, {f[2]:.3f}]" if f else ""
+                        print(f"{S:>6} {D:>4} {'causal' if causal else 'none':>6} {dt:>5} "
+                              f"{fmt(quantiles(times['sdpa'])):>26} {fmt(quantiles(times[n])):>26} "
+                              f"{r[1]:>8.3f} [{r[0]:.3f}, {r[2]:.3f}] {fcol:>22}{label}", flush=True)
+    if not args.packed:
+        return
 
-    S, docs = 4096, 16
+    S, D, docs = 4096, 64, 16
     q, k, v = (torch.randn(1, H, S, D, requires_grad=True) for _ in range(3))
     grad = torch.randn(1, H, S, D)
     cu = torch.arange(0, S + 1, S // docs, dtype=torch.int32)
@@ -228,6 +267,12 @@ def main(argv=None):
     ap.add_argument("--table", action="store_true", help="the CPU comparison table against SDPA (see above)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per --table row")
     ap.add_argument("--tiles", default="", help="--table: also time these C++ tile sizes, e.g. 128x64,64x64")
+    ap.add_argument("--seqs", default="1024,2048,4096", help="--table: sequence lengths")
+    ap.add_argument("--dims", default="64", help="--table: head dims, e.g. 64,128")
+    ap.add_argument("--dtypes", default="fp32,bf16,fp16", help="--table: dtypes")
+    ap.add_argument("--full", action="store_true", help="--table: also without a causal mask")
+    ap.add_argument("--no-packed", dest="packed", action="store_false",
+                    help="--table: skip the packed-documents comparison")
     args = ap.parse_args(argv)
     if args.table:
         return run_table(args)

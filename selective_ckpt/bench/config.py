@@ -9,10 +9,10 @@ import torch
 from .. import memory
 
 ROWS = ("eager", "eager-ckpt", "eager-sac", "sdpa", "sdpa-ckpt", "sdpa-compile", "sdpa-compile-budget", "none",
-        "selective", "full", "llama-sdpa", "llama-selective")
+        "selective", "full", "selective-compile", "llama-sdpa", "llama-selective")
 # torch.compile rows run in a subprocess each: compiled graphs and the activation_memory_budget are
 # process-wide, so one process measures one budget (docs/DESIGN.md, Known traps).
-COMPILED_ROWS = {"sdpa-compile": None, "sdpa-compile-budget": 0.5}
+COMPILED_ROWS = {"sdpa-compile": None, "sdpa-compile-budget": 0.5, "selective-compile": None}
 ROW_LABELS = {
     "eager": "eager (nn.MultiheadAttention)",
     "eager-ckpt": "eager + torch checkpoint",
@@ -24,6 +24,7 @@ ROW_LABELS = {
     "none": "SelectiveDecoderLayer none",
     "selective": "SelectiveDecoderLayer selective",
     "full": "SelectiveDecoderLayer full",
+    "selective-compile": "SelectiveDecoderLayer selective, torch.compile",
     "llama-sdpa": "Llama SDPA layer",
     "llama-selective": "Llama SelectiveDecoderLayer selective",
 }

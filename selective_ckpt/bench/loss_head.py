@@ -10,9 +10,7 @@ a causal LM runs: `lm_head` (F.linear) then ForCausalLMLoss (upcast to float32, 
 
 import argparse
 import gc
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
@@ -20,6 +18,7 @@ import torch.nn.functional as F
 
 from ..memory.peak import cpu_allocation_deltas, running_peak
 from ..ops.cross_entropy import linear_cross_entropy
+from .output import cpu_name
 
 HEADS = ("transformers", "transformers+compile", "ours")
 
@@ -94,14 +93,6 @@ def measure(vocab, tokens, hidden_dim, dtype=torch.float32, reps=5):
     return rows
 
 
-def cpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
@@ -111,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}, "
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}, "
           f"h={args.hidden}, {args.reps} interleaved rounds")
     print("| V | N | head | kept B/(N*V) | kept MiB | peak MiB | fwd+bwd s | time / transformers p20-p50-p80 |")
     print("|---|---|---|---|---|---|---|---|")

@@ -31,13 +31,30 @@ def run_dir(out, name):
             path = base.with_name(f"{base.name}-{n}")
 
 
+# the flags that decide which kernels run and how fast: the ISA variants, native 16-bit products, AMX
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
 def cpu_name():
+    """The CPU's model name, with its family and model numbers and the ISA_FLAGS it has: a virtual
+    machine often names only the vendor ("AMD EPYC"), and one name covers CPUs of several ISAs."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
-            found = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if not key:
+                    break  # the first processor's block is enough
+                fields.setdefault(key, value.strip())
     except OSError:
-        found = ""
-    return found or platform.processor() or platform.machine() or "unknown CPU"
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:
+        flags = set(fields.get("flags", "").split())
+        have = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
+        name += f" (family {fields['cpu family']} model {fields['model']}; {have})"
+    return name
 
 
 def kernel_isa():

@@ -155,6 +155,7 @@ STYLES = {
     "sdpa": ("#08306b", "D", "-."), "sdpa-ckpt": ("#2171b5", "v", "-."), "sdpa-compile": ("#6baed6", "P", "-."),
     "sdpa-compile-budget": ("#17becf", "X", "-."),
     "none": ("#00441b", "h", "-"), "selective": ("#31a354", "*", "-"), "full": ("#a1d99b", "p", "-"),
+    "selective-compile": ("#74c476", "d", "-"),
     "llama-sdpa": ("#54278f", "<", ":"), "llama-selective": ("#9e9ac8", ">", ":"),
 }
 

@@ -38,8 +38,9 @@ def build_stack(row, cfg):
     h, a, r, causal = cfg["hidden"], cfg["heads"], cfg["mlp_ratio"], cfg["causal"]
     layers = []
     for _ in range(cfg["layers"]):
-        if row in ("none", "selective", "full"):
-            layers.append(SelectiveDecoderLayer(h, a, mlp_ratio=r, causal=causal, recompute=row, **factory))
+        if row in ("none", "selective", "full", "selective-compile"):
+            mode = row.removesuffix("-compile")
+            layers.append(SelectiveDecoderLayer(h, a, mlp_ratio=r, causal=causal, recompute=mode, **factory))
             continue
         if row == "llama-sdpa":
             layers.append(LlamaSDPALayer(h, a, cfg["llama_kv_heads"], cfg["llama_ffn"], LLAMA_ROPE_THETA,
