@@ -3,9 +3,11 @@ AdamW step, in steady state) is within 5 % of the CPU allocator's measured peak 
 transformers' model and for the converted one, for every Hugging Face family and training form; and bad
 input is a clear error."""
 
+import contextlib
 import gc
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -42,23 +44,44 @@ def _config(family):
     return family.config(**{**family.tiny, layers: LAYERS, positions: SEQ, **extra})
 
 
-def _measured(family, config, form, converted):
-    """Weights + AdamW state + the allocator's peak of a second (steady-state) step."""
+def _build(family, config, form, tmp_path):
+    """transformers' model of `config` in `form`: LoRA by peft, a QLoRA base loaded 4-bit NF4 (bf16 compute) by
+    transformers' BitsAndBytesConfig and prepared by prepare_model_for_kbit_training, as people train them."""
     torch.manual_seed(0)
     config._attn_implementation = "sdpa"
-    model = family.causal_lm(config).train()
-    if form.kind == "lora":
+    model = family.causal_lm(config)
+    if form.kind == "qlora":
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
+
+        path = tmp_path / "base"
+        model.save_pretrained(path)
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = family.causal_lm.from_pretrained(path, quantization_config=q, attn_implementation="sdpa")
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if form.kind != "full":
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=form.rank, lora_alpha=2 * form.rank,
                                                  target_modules=list(form.targets)))
+    return model.train()
+
+
+def _measured(family, config, form, converted, tmp_path):
+    """Weights + AdamW state + the allocator's peak of a second (steady-state) step."""
+    model = _build(family, config, form, tmp_path)
     if converted:
         convert(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     ids = torch.randint(1, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        # as transformers' Trainer runs it: forward and loss under autocast, backward and the step outside
+        with torch.autocast("cpu", dtype=form.autocast) if form.autocast else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -70,8 +93,19 @@ def _measured(family, config, form, converted):
     finally:
         gc.enable()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += sum(b.numel() * b.element_size() for b in _quant_states(model))
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
     return weights + state + peak, weights + state
+
+
+def _quant_states(model):
+    """The tensors of the 4-bit weights' quantization states (the absmax per block), which are no parameters."""
+    out = []
+    for p in model.parameters():
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            out.append(qs.absmax)
+    return out
 
 
 # known miss: GPT-2 with LoRA on c_fc peaks about 7 % above the prediction (a LoRA on a GELU MLP's fc_in
@@ -81,7 +115,7 @@ KNOWN_MISSES = {("gpt2", "lora fp32")}
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("family", FAMILIES, ids=str)
-def test_predicted_peak_within_5_percent(family, form, request):
+def test_predicted_peak_within_5_percent(family, form, request, tmp_path):
     if (family.name, form) in KNOWN_MISSES:
         request.applymarker(pytest.mark.xfail(strict=True, reason="ours' layer transient under LoRA on fc_in"))
     config = _config(family)
@@ -92,7 +126,7 @@ def test_predicted_peak_within_5_percent(family, form, request):
         return
     predicted = predict(config, BATCH, SEQ, training, names=("transformers", "ours selective"))
     for name, converted in (("transformers", False), ("ours selective", True)):
-        measured, fixed = _measured(family, _config(family), training, converted)
+        measured, fixed = _measured(family, _config(family), training, converted, tmp_path)
         assert measured - fixed > fixed, "activations must be most of the peak for 5 % to mean something"
         got = predicted[name].peak
         assert abs(got - measured) <= 0.05 * measured, (f"{name}: predicted {got} against measured {measured} "
