@@ -350,14 +350,14 @@ def _variants(model, batch, seq_len, gpu_bytes=None, names=VARIANTS):
             out[name] = _assemble(model, Variant(name, a, kept_out, head_t, trans + (sel if mode == "full" else 0),
                                                  fwd))
         if "ours plan" in names and gpu_bytes is not None:
-            out["ours plan"] = _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans)
+            out["ours plan"] = _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans, fwd)
     except ValueError as err:
         for name in VARIANTS[2:]:
             out[name] = Variant(name, 0, 0, 0, 0, error=str(err))
     return out
 
 
-def _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans):
+def _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans, fwd=0):
     """memory.plan's modes per layer for what the budget leaves to the layers' activations after the rest
     of the step (weights, optimizer state, the head and one layer's backward transient)."""
     from ..memory.planner import plan as make_plan
@@ -366,32 +366,35 @@ def _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans):
     f = model.form
     usable = gpu_bytes / (1 + ALLOCATOR_SHARE) - model.weights - model.optimizer
     budget = usable - max(kept_out + head_t, model.head_grads + trans)
-    v = Variant("ours plan", 0, kept_out, head_t, trans)
-    if budget <= 0:
-        v.error = "nothing is left for the layers' activations"
-        return v
+    v = Variant("ours plan", 0, kept_out, head_t, trans, fwd)
     layer_shape = dict(shape, dtype=f.compute, num_layers=model.num_layers)
     layer_shape.pop("rope_theta", None)
     # the planner counts layers in the compute dtype without LoRA: lower its budget by what ours' own
-    # per-layer figures add until the step fits (or no plan does)
-    for _ in range(16):
+    # per-layer figures add until the step fits; every layer "full" is the last plan tried, so a plan fits
+    # wherever ours full does
+    for _ in range(16 if budget > 0 else 0):
         try:
-            p = make_plan(layer_shape, batch, seq_len, budget)
-        except ValueError as err:
-            v.error = str(err)
+            p = list(make_plan(layer_shape, batch, seq_len, budget))
+        except ValueError:
+            break
+        if _plan_fits(model, v, p, batch, seq_len, trans, gpu_bytes):
             return v
-        v.modes = list(p)
-        v.kept_per_layer = sum(model.ours_layer(batch, seq_len, m) for m in p) / model.num_layers
-        v.layer_transient = trans + (model.ours_layer(batch, seq_len, "selective") if "full" in p else 0)
-        _assemble(model, v)
-        over = v.peak * (1 + ALLOCATOR_SHARE) - gpu_bytes
-        if over <= 0:
-            return v
-        budget -= over
+        budget -= v.peak * (1 + ALLOCATOR_SHARE) - gpu_bytes
         if budget <= 0:
             break
+    if _plan_fits(model, v, ["full"] * model.num_layers, batch, seq_len, trans, gpu_bytes):
+        return v
     v.error = "no per-layer plan fits"
     return v
+
+
+def _plan_fits(model, v, modes, batch, seq_len, trans, gpu_bytes):
+    """Fills `v` with the step of per-layer `modes`; whether it fits in `gpu_bytes`."""
+    v.modes = modes
+    v.kept_per_layer = sum(model.ours_layer(batch, seq_len, m) for m in modes) / model.num_layers
+    v.layer_transient = trans + (model.ours_layer(batch, seq_len, "selective") if "full" in modes else 0)
+    _assemble(model, v)
+    return v.peak * (1 + ALLOCATOR_SHARE) <= gpu_bytes
 
 
 def predict(config, batch, seq_len, form=None, names=VARIANTS):
