@@ -3,9 +3,12 @@ AdamW step, in steady state) is within 5 % of the CPU allocator's measured peak 
 transformers' model and for the converted one, for every Hugging Face family and training form; and bad
 input is a clear error."""
 
+import contextlib
 import gc
+import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -26,11 +29,16 @@ NOT_MODELLED = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "dee
 GPT2 = Family("gpt2", transformers.GPT2Config, transformers.GPT2LMHeadModel,
               dict(vocab_size=97, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
               lora_targets=("c_attn", "c_proj", "c_fc"))
-# the families whose step peak the fit model is verified against so far; the others are not claimed
-VERIFIED = {"llama", "mistral", "qwen2", "granite", "gemma", "smollm3", "starcoder2"}
-FAMILIES = [f for f in collect() if f.name in VERIFIED] + [GPT2]
+FAMILIES = collect() + [GPT2]
+# as people train: fp32; fp32 weights under bf16 autocast (Trainer's bf16=True); QLoRA over NF4 bases that
+# compute in bf16. Every family runs the fp32 forms; the others run on one family per layer form (pre-norm
+# gated, LayerNorm GELU, parallel residual, GPT-2), or on every family with SELECTIVE_CKPT_FIT_ALL=1
 FORMS = {"full fp32": lambda fam: TrainingForm("full"),
-         "lora fp32": lambda fam: TrainingForm("lora", rank=8, targets=fam.lora_targets)}
+         "lora fp32": lambda fam: TrainingForm("lora", rank=8, targets=fam.lora_targets),
+         "full bf16 autocast": lambda fam: TrainingForm("full", autocast=torch.bfloat16),
+         "lora bf16 autocast": lambda fam: TrainingForm("lora", rank=8, targets=fam.lora_targets,
+                                                        autocast=torch.bfloat16),
+         "qlora nf4": lambda fam: TrainingForm("qlora", rank=8, targets=fam.lora_targets)}
 
 
 def _config(family):
@@ -39,26 +47,56 @@ def _config(family):
     # a sliding window makes transformers pass SDPA a mask, which on CPU takes the math kernel (S x S
     # probabilities kept); the fit model counts the fused kernels' saved set, as on GPU
     extra = {"sliding_window": None} if "sliding_window" in family.tiny else {}
-    return family.config(**{**family.tiny, layers: LAYERS, positions: SEQ, **extra})
+    config = family.config(**{**family.tiny, layers: LAYERS, positions: SEQ, **extra})
+    if getattr(config, "layer_types", None):
+        # every layer global; the Gemma families build a sliding mask whatever the layers, so they get a
+        # window as long as the sequence that no layer uses
+        config.layer_types = ["full_attention"] * LAYERS
+        if family.name.startswith("gemma"):
+            config.sliding_window = SEQ
+    return config
 
 
-def _measured(family, config, form, converted):
-    """Weights + AdamW state + the allocator's peak of a second (steady-state) step."""
+def _build(family, config, form, tmp_path):
+    """transformers' model of `config` in `form`: LoRA by peft, a QLoRA base loaded 4-bit NF4 (bf16 compute) by
+    transformers' BitsAndBytesConfig and prepared by prepare_model_for_kbit_training, as people train them."""
     torch.manual_seed(0)
-    config._attn_implementation = "sdpa"
-    model = family.causal_lm(config).train()
-    if form.kind == "lora":
+    model = family.causal_lm(config)
+    if form.kind == "qlora":
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
+
+        path = tmp_path / "base"
+        model.save_pretrained(path)
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = family.causal_lm.from_pretrained(path, quantization_config=q)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if form.kind != "full":
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=form.rank, lora_alpha=2 * form.rank,
                                                  target_modules=list(form.targets)))
+    # SDPA's fused kernels, as on GPU (families transformers builds eager only, Gemma2's, run them too: with
+    # no attention soft-capping the two compute the same)
+    (model.get_base_model() if hasattr(model, "get_base_model") else model).config._attn_implementation = "sdpa"
+    return model.train()
+
+
+def _measured(family, config, form, converted, tmp_path):
+    """Weights + AdamW state + the allocator's peak of a second (steady-state) step."""
+    model = _build(family, config, form, tmp_path)
     if converted:
         convert(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     ids = torch.randint(1, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        # as transformers' Trainer runs it: forward and loss under autocast, backward and the step outside
+        with torch.autocast("cpu", dtype=form.autocast) if form.autocast else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -70,33 +108,78 @@ def _measured(family, config, form, converted):
     finally:
         gc.enable()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += sum(b.numel() * b.element_size() for b in _quant_states(model))
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
     return weights + state + peak, weights + state
 
 
-# known miss: GPT-2 with LoRA on c_fc peaks about 7 % above the prediction (a LoRA on a GELU MLP's fc_in
-# holds more in our layer's backward than the transient term counts)
-KNOWN_MISSES = {("gpt2", "lora fp32")}
+def _quant_states(model):
+    """The tensors of the 4-bit weights' quantization states (the absmax per block), which are no parameters."""
+    out = []
+    for p in model.parameters():
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            out.append(qs.absmax)
+    return out
 
 
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("family", FAMILIES, ids=str)
-def test_predicted_peak_within_5_percent(family, form, request):
-    if (family.name, form) in KNOWN_MISSES:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="ours' layer transient under LoRA on fc_in"))
+FP32 = ("full fp32", "lora fp32")
+LAYER_FORMS = {"llama", "starcoder2", "gpt_neox", "gpt2"}
+CASES = [(f, form) for f in FAMILIES for form in FORMS
+         if form in FP32 or str(f) in LAYER_FORMS or os.environ.get("SELECTIVE_CKPT_FIT_ALL") == "1"]
+
+# known misses, (family, form, variant) -> what the model leaves out there; each xfails strictly, so a fix
+# that brings one within 5 % has to take it off this list
+_CASTS = "the casts and outputs its post-norms / q-k norms hold until the layer returns are not counted"
+_LORA_BWD = "transformers' backward transient under frozen bases is counted as a full fine-tune's"
+_GPT2_LORA = "ours' GELU MLP with adapted fc_in holds more in backward than the layer transient counts"
+_PARALLEL = "a parallel-residual layer's adapters under autocast hold casts the transient does not count"
+KNOWN_MISSES = {
+    **{("olmo2", form, "ours selective"): "OLMo2's post-norms and whole-projection q/k norms: ours' transients "
+       "are counted as a pre-norm layer's, which is too much" for form in FORMS},
+    ("qwen3", "full fp32", "ours selective"): "the per-head q/k norms' backward transient is over-counted",
+    ("qwen3", "lora fp32", "ours selective"): "the per-head q/k norms' backward transient is over-counted",
+    ("qwen3", "full bf16 autocast", "ours selective"): "the per-head q/k norms' backward transient is over-counted",
+    ("gemma3_text", "full fp32", "ours selective"): "the per-head q/k norms' backward transient is over-counted",
+    ("gemma3_text", "lora fp32", "ours selective"): "the per-head q/k norms' backward transient is over-counted",
+    ("gemma2", "full bf16 autocast", "ours selective"): _CASTS,
+    ("gemma2", "lora bf16 autocast", "ours selective"): _CASTS,
+    ("gemma3_text", "full bf16 autocast", "ours selective"): _CASTS,
+    ("starcoder2", "qlora nf4", "transformers"): _LORA_BWD,
+    ("cohere", "lora fp32", "transformers"): _LORA_BWD,
+    ("cohere", "lora bf16 autocast", "transformers"): _LORA_BWD,
+    ("cohere", "qlora nf4", "transformers"): _LORA_BWD,
+    ("gpt_neox", "lora fp32", "transformers"): _LORA_BWD,
+    ("gpt_neox", "qlora nf4", "transformers"): _LORA_BWD,
+    ("gpt_neox", "lora bf16 autocast", "ours selective"): _PARALLEL,
+    ("gpt_neox-sequential", "lora bf16 autocast", "ours selective"): _PARALLEL,
+    ("gpt2", "full bf16 autocast", "transformers"): "GPT-2's Conv1D under autocast: addmm's casts are not "
+                                                    "the meta forward's",
+    ("gpt2", "lora fp32", "ours selective"): _GPT2_LORA,
+    ("gpt2", "lora bf16 autocast", "ours selective"): _GPT2_LORA,
+    ("gpt2", "qlora nf4", "ours selective"): _GPT2_LORA,
+}
+
+
+@pytest.mark.parametrize("variant", ("transformers", "ours selective"))
+@pytest.mark.parametrize("family, form", CASES, ids=lambda x: str(x))
+def test_predicted_peak_within_5_percent(family, form, variant, request, tmp_path, record_property):
+    miss = KNOWN_MISSES.get((str(family), form, variant))
+    if miss:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=miss))
     config = _config(family)
     training = FORMS[form](family)
     if family.name in NOT_MODELLED:
-        with pytest.raises(ValueError, match="not modelled"):
-            predict(config, BATCH, SEQ, training)
+        if variant == "transformers":
+            with pytest.raises(ValueError, match="not modelled"):
+                predict(config, BATCH, SEQ, training)
         return
-    predicted = predict(config, BATCH, SEQ, training, names=("transformers", "ours selective"))
-    for name, converted in (("transformers", False), ("ours selective", True)):
-        measured, fixed = _measured(family, _config(family), training, converted)
-        assert measured - fixed > fixed, "activations must be most of the peak for 5 % to mean something"
-        got = predicted[name].peak
-        assert abs(got - measured) <= 0.05 * measured, (f"{name}: predicted {got} against measured {measured} "
-                                                        f"({got / measured:.3f}); phases {predicted[name].phases}")
+    got = predict(config, BATCH, SEQ, training, names=(variant,))[variant]
+    measured, fixed = _measured(family, _config(family), training, variant != "transformers", tmp_path)
+    assert measured - fixed > fixed, "activations must be most of the peak for 5 % to mean something"
+    record_property("ratio", f"{got.peak / measured:.3f}")
+    assert abs(got.peak - measured) <= 0.05 * measured, (f"{variant}: predicted {got.peak} against measured "
+                                                         f"{measured} ({got.peak / measured:.3f}); phases {got.phases}")
 
 
 def test_bundled_configs_load_and_project():

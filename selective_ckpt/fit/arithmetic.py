@@ -36,7 +36,6 @@ NOT_MODELLED = (
     "the caching allocator's fragmentation beyond a flat 5 % share",
     "mixture-of-experts routing (data-dependent expert loads): such models raise",
     "data-loader, pinned and host memory; distributed (ZeRO/FSDP) sharding",
-    "transformers' layers under autocast are counted with weights in the autocast dtype (meta has no autocast)",
     "a masked attention call on CPU (padding, sliding windows) takes SDPA's math kernel, which keeps S x S "
     "probabilities; the fused kernels' saved set (GPU) is what is counted",
     "QLoRA bases are NF4 with one float32 absmax per 64 weights (no double quantization)",
@@ -54,6 +53,7 @@ class Variant:
     kept_outside: int
     head_transient: int
     layer_transient: int
+    forward_transient: int = 0  # the last layer's forward over what the layers keep, KV cache included
     peak: int = 0
     phases: dict = dataclasses.field(default_factory=dict)
     modes: list = None
@@ -102,10 +102,6 @@ class _Model:
         self.head_grads = self._head_grad_bytes()
         self.largest_trained = w[1]["largest"]
         self.optimizer = 2 * self.grads + 4 * self.grad_tensors  # exp_avg, exp_avg_sq; a float32 step each
-        if form.compute != form.weights:
-            # the meta device has no autocast: transformers' activations are counted in the autocast dtype
-            for m in self.models.values():
-                m.to(form.compute)
 
     def _params(self, model):
         out = {"weights": 0, "grads": 0, "tensors": 0, "largest": 0}
@@ -132,21 +128,65 @@ class _Model:
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def hf_kept(self, batch, seq_len):
-        """(per layer, outside the layers) kept by transformers' model: a 2-layer minus a 1-layer meta forward."""
+        """(kept per layer, kept outside the layers, forward transient per layer, forward transient outside)
+        of transformers' model: a 2-layer minus a 1-layer meta forward. The transient is what the forward's
+        op outputs hold at its peak over what it keeps (the loss head's logits, the KV cache)."""
         if (batch, seq_len) in self._kept:
             return self._kept[batch, seq_len]
-        k1 = meta.kept_bytes(self.models[1], (batch, seq_len))
-        k2 = meta.kept_bytes(self.models[2], (batch, seq_len))
-        self._kept[batch, seq_len] = k2 - k1, 2 * k1 - k2
+        autocast = self.form.autocast if self.form.compute != self.form.weights else None
+        k1, p1 = meta.footprint(self.models[1], (batch, seq_len), autocast)
+        k2, p2 = meta.footprint(self.models[2], (batch, seq_len), autocast)
+        t1, t2 = p1 - k1, p2 - k2
+        self._kept[batch, seq_len] = k2 - k1, 2 * k1 - k2, t2 - t1, 2 * t1 - t2
         return self._kept[batch, seq_len]
 
     def hf_kept_linear(self, batch, seq_len):
         # every tensor transformers keeps is proportional to the sequence (fused attention): two meta
         # forwards give the line, any context is read from it
         s0 = 64
-        a0, b0 = self.hf_kept(batch, s0)
-        a1, b1 = self.hf_kept(batch, 2 * s0)
-        return (a0 + (a1 - a0) * (seq_len - s0) // s0, b0 + (b1 - b0) * (seq_len - s0) // s0)
+        a0 = self.hf_kept(batch, s0)
+        a1 = self.hf_kept(batch, 2 * s0)
+        return tuple(x0 + (x1 - x0) * (seq_len - s0) // s0 for x0, x1 in zip(a0, a1))
+
+    def projections(self):
+        """(name, fan in, what it reads: "norm", "product" or None, LoRA-adapted) of each Linear of one layer."""
+        from ..models.hf import modules_of
+
+        layer = modules_of(self._root(self.models[1]), self.spec().layer)[0][1]
+        out = []
+        for name, m in layer.named_modules():
+            if not isinstance(m, torch.nn.Linear) or ".lora_" in name:
+                continue
+            lora = name.endswith(".base_layer")  # PEFT wraps an adapted Linear as its base_layer
+            name = name[: -len(".base_layer")] if lora else name
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in _OUTPUT_PROJECTIONS:
+                reads = "product" if ".mlp" in "." + name else None
+            else:
+                reads = "norm"
+            out.append((name, m.in_features, reads, lora))
+        return out
+
+    @functools.cached_property
+    def autocast_weight_copies(self):
+        """autocast's cached 16-bit copies of the trained float32 weights, made once per forward."""
+        if self.form.autocast is None or self.form.compute == self.form.weights:
+            return 0
+        e = _size(self.form.compute)
+        per = {n: sum(m.weight.numel() for m in self._root(self.models[n]).modules()
+                      if isinstance(m, torch.nn.Linear) and m.weight.requires_grad) for n in (1, 2)}
+        return e * (per[1] + (self.num_layers - 1) * (per[2] - per[1]))
+
+    def cache_bytes(self, batch, seq_len):
+        """transformers' KV cache after a forward with config.use_cache on (training does not turn it off):
+        every layer's rotated keys and values, which ours' attention keeps copies of, not these."""
+        if not getattr(self.config, "use_cache", False):
+            return 0
+        shape, _ = self.shape
+        d = shape["hidden_dim"] // shape["num_heads"]
+        kv = (shape.get("num_kv_heads") or shape["num_heads"]) * d
+        # the keys after RoPE are in the residual stream's dtype (float32 tables), the values in the compute dtype
+        return self.num_layers * batch * seq_len * kv * (_size(self.form.weights) + _size(self.form.compute))
 
     def spec(self):
         from ..models import model_specs
@@ -219,6 +259,46 @@ def _layer_backward_transient(model, batch, seq_len, converted):
     return (7 * h + 2 * ffn + qk) * t * e
 
 
+_OUTPUT_PROJECTIONS = ("o_proj", "dense", "c_proj", "out_proj", "down_proj", "dense_4h_to_h", "fc2")
+
+
+def _layer_forward_transient(model, batch, seq_len):
+    """What the step holds at the end of the last layer's forward over what the layers keep.
+
+    The layer's registered outputs (its norm outputs and the MLP product: the "none" set over "selective")
+    live until its forward returns, and so does every cast of them a projection computes in another dtype
+    (autocast's 16-bit copy per q/k/v/gate/up/down Linear, a 4-bit base's cast to its compute dtype, PEFT's
+    cast of a 16-bit input to the adapter's float32 and autocast's back); then the MLP output (and its
+    upcast to the residual stream) and the KV cache transformers fills. Outside the layers: the embedding
+    output and the rotary tables; autocast's cached copies of the trained weights live until it exits.
+    """
+    t, h = batch * seq_len, model.config.hidden_size
+    f = model.form
+    e_r, e_c = _size(f.weights), _size(f.compute)
+    quantized = f.kind == "qlora"
+    e_mlp = e_r if quantized else e_c
+    e_base = 2 if quantized else e_c  # bitsandbytes computes in bnb_4bit_compute_dtype (bfloat16 here)
+    held = model.ours_layer(batch, seq_len, "none") - model.ours_layer(batch, seq_len, "selective")
+    casts = 0
+    for name, fan_in, reads, lora in model.projections():
+        if reads is None:
+            continue
+        e_in = e_r if reads == "norm" else e_mlp
+        if e_base != e_in:
+            casts += t * fan_in * e_base
+        if lora:
+            e_lora = e_c if f.autocast is not None else e_r
+            if e_in != e_r:  # PEFT casts the input to the adapter's (float32) dtype
+                casts += t * fan_in * e_r
+            if e_lora != e_r:
+                casts += t * fan_in * e_lora
+    out = t * h * e_mlp + (t * h * e_r if e_mlp != e_r else 0)
+    shape, _ = model.shape
+    d = shape["hidden_dim"] // shape["num_heads"]
+    outside = t * h * e_r + 2 * seq_len * d * 4 + seq_len * 8 + model.autocast_weight_copies
+    return held + casts + out + model.cache_bytes(batch, seq_len) + outside
+
+
 def _head_backward(model, batch, seq_len):
     """transformers' loss backward: the float32 gradient of the upcast logits and one more t x V float32
     buffer (log-softmax's and the upcast's gradients), over what forward kept."""
@@ -229,6 +309,7 @@ def _assemble(model, v, head_backward=0):
     L = model.num_layers
     acts = L * v.kept_per_layer + v.kept_outside
     v.phases = {
+        "last layer forward": L * v.kept_per_layer + v.forward_transient,
         "forward end": acts + v.head_transient,
         "loss backward": acts + head_backward,
         # the loss head's and the final norm's saved tensors are freed once their backward has run
@@ -245,12 +326,14 @@ def _variants(model, batch, seq_len, gpu_bytes=None, names=VARIANTS):
     t = batch * seq_len
     e_res = _size(model.form.weights)
     if set(names) & set(VARIANTS[:2]):
-        a_hf, o_hf = model.hf_kept_linear(batch, seq_len)
+        a_hf, o_hf, ta_hf, to_hf = model.hf_kept_linear(batch, seq_len)
         trans = _layer_backward_transient(model, batch, seq_len, False)
         hb = _head_backward(model, batch, seq_len)
-        out[VARIANTS[0]] = _assemble(model, Variant(VARIANTS[0], a_hf, o_hf, 0, trans), hb)
-        # checkpointed layers keep their input; the one re-run in backward keeps a whole layer again
-        out[VARIANTS[1]] = _assemble(model, Variant(VARIANTS[1], t * model.config.hidden_size * e_res, o_hf, 0,
+        L = model.num_layers
+        out[VARIANTS[0]] = _assemble(model, Variant(VARIANTS[0], a_hf, o_hf, to_hf + L * ta_hf, trans), hb)
+        # checkpointed layers keep their input; the one re-run in backward keeps a whole layer again; training
+        # with checkpointing turns transformers' KV cache off (the per-layer part of the forward's transient)
+        out[VARIANTS[1]] = _assemble(model, Variant(VARIANTS[1], t * model.config.hidden_size * e_res, o_hf, to_hf,
                                                     a_hf + trans), hb)
     if not set(names) & set(VARIANTS[2:]):
         return out
@@ -258,20 +341,23 @@ def _variants(model, batch, seq_len, gpu_bytes=None, names=VARIANTS):
         kept_out, head_t = model.ours_outside(batch, seq_len)
         trans = _layer_backward_transient(model, batch, seq_len, True)
         sel = model.ours_layer(batch, seq_len, "selective")
+        fwd = _layer_forward_transient(model, batch, seq_len)
+        head_t += model.cache_bytes(batch, seq_len)
         for mode in ("none", "selective", "full"):
             a = model.ours_layer(batch, seq_len, mode)
             name = f"ours {mode}"
             # a "full" layer re-runs its forward in backward, keeping its "selective" set until done
-            out[name] = _assemble(model, Variant(name, a, kept_out, head_t, trans + (sel if mode == "full" else 0)))
+            out[name] = _assemble(model, Variant(name, a, kept_out, head_t, trans + (sel if mode == "full" else 0),
+                                                 fwd))
         if "ours plan" in names and gpu_bytes is not None:
-            out["ours plan"] = _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans)
+            out["ours plan"] = _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans, fwd)
     except ValueError as err:
         for name in VARIANTS[2:]:
             out[name] = Variant(name, 0, 0, 0, 0, error=str(err))
     return out
 
 
-def _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans):
+def _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans, fwd=0):
     """memory.plan's modes per layer for what the budget leaves to the layers' activations after the rest
     of the step (weights, optimizer state, the head and one layer's backward transient)."""
     from ..memory.planner import plan as make_plan
@@ -280,32 +366,35 @@ def _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans):
     f = model.form
     usable = gpu_bytes / (1 + ALLOCATOR_SHARE) - model.weights - model.optimizer
     budget = usable - max(kept_out + head_t, model.head_grads + trans)
-    v = Variant("ours plan", 0, kept_out, head_t, trans)
-    if budget <= 0:
-        v.error = "nothing is left for the layers' activations"
-        return v
+    v = Variant("ours plan", 0, kept_out, head_t, trans, fwd)
     layer_shape = dict(shape, dtype=f.compute, num_layers=model.num_layers)
     layer_shape.pop("rope_theta", None)
     # the planner counts layers in the compute dtype without LoRA: lower its budget by what ours' own
-    # per-layer figures add until the step fits (or no plan does)
-    for _ in range(16):
+    # per-layer figures add until the step fits; every layer "full" is the last plan tried, so a plan fits
+    # wherever ours full does
+    for _ in range(16 if budget > 0 else 0):
         try:
-            p = make_plan(layer_shape, batch, seq_len, budget)
-        except ValueError as err:
-            v.error = str(err)
+            p = list(make_plan(layer_shape, batch, seq_len, budget))
+        except ValueError:
+            break
+        if _plan_fits(model, v, p, batch, seq_len, trans, gpu_bytes):
             return v
-        v.modes = list(p)
-        v.kept_per_layer = sum(model.ours_layer(batch, seq_len, m) for m in p) / model.num_layers
-        v.layer_transient = trans + (model.ours_layer(batch, seq_len, "selective") if "full" in p else 0)
-        _assemble(model, v)
-        over = v.peak * (1 + ALLOCATOR_SHARE) - gpu_bytes
-        if over <= 0:
-            return v
-        budget -= over
+        budget -= v.peak * (1 + ALLOCATOR_SHARE) - gpu_bytes
         if budget <= 0:
             break
+    if _plan_fits(model, v, ["full"] * model.num_layers, batch, seq_len, trans, gpu_bytes):
+        return v
     v.error = "no per-layer plan fits"
     return v
+
+
+def _plan_fits(model, v, modes, batch, seq_len, trans, gpu_bytes):
+    """Fills `v` with the step of per-layer `modes`; whether it fits in `gpu_bytes`."""
+    v.modes = modes
+    v.kept_per_layer = sum(model.ours_layer(batch, seq_len, m) for m in modes) / model.num_layers
+    v.layer_transient = trans + (model.ours_layer(batch, seq_len, "selective") if "full" in modes else 0)
+    _assemble(model, v)
+    return v.peak * (1 + ALLOCATOR_SHARE) <= gpu_bytes
 
 
 def predict(config, batch, seq_len, form=None, names=VARIANTS):
