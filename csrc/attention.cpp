@@ -77,9 +77,15 @@ std::atomic<int> g_passes{0};
 #define SCKPT_ATT_ISA (avx512bf16, 1, 64, _mm512_fmadd_ps, 32, 8, 1)
 #include "attention_kernels.h"
 #pragma GCC pop_options
+// avx512bf16's kernels with each dot product in float instructions: the bf16 dot path on any AVX-512 CPU.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#define SCKPT_ATT_ISA (avx512bf16emu, 1, 64, _mm512_fmadd_ps, 32, 8, 2)
+#include "attention_kernels.h"
+#pragma GCC pop_options
 #endif
 
-enum class Isa { generic, avx2, avx512, avx512bf16 };
+enum class Isa { generic, avx2, avx512, avx512bf16emu, avx512bf16 };
 
 // The widest ISA this CPU runs.
 Isa native_isa() {
@@ -110,8 +116,11 @@ Isa best_isa() {
 // The tile function `fn` for T compiled for `isa`.
 #ifdef SCKPT_HAVE_X86_TILES
 #define SCKPT_PICK(isa, fn, T)                                                                 \
-  ((isa) == Isa::avx512bf16 ? &avx512bf16::fn<T> : (isa) == Isa::avx512 ? &avx512::fn<T>     \
-   : (isa) == Isa::avx2     ? &avx2::fn<T>       : &generic::fn<T>)
+  ((isa) == Isa::avx512bf16    ? &avx512bf16::fn<T>                                          \
+   : (isa) == Isa::avx512bf16emu ? &avx512bf16emu::fn<T>                                     \
+   : (isa) == Isa::avx512      ? &avx512::fn<T>                                              \
+   : (isa) == Isa::avx2        ? &avx2::fn<T>                                                \
+                               : &generic::fn<T>)
 #else
 #define SCKPT_PICK(isa, fn, T) (&generic::fn<T>)
 #endif
@@ -170,7 +179,7 @@ void attention_forward(int dtype, std::array<int64_t, 6> sizes, uintptr_t q, Str
     using T = decltype(tag);
     using Acc = typename Elem<T>::Acc;
     const Isa isa = best_isa();
-    p.bf16_dot = isa == Isa::avx512bf16 && std::is_same_v<T, bf16>;
+    p.bf16_dot = (isa == Isa::avx512bf16 || isa == Isa::avx512bf16emu) && std::is_same_v<T, bf16>;
     const auto tile_fn = SCKPT_PICK(isa, forward_tile, T);
     const int64_t nqt = ceil_div(p.Sq, p.BM), tasks = p.B * p.H * nqt;
 #pragma omp parallel if (tasks > 1)
@@ -211,7 +220,7 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
     using T = decltype(tag);
     using Acc = typename Elem<T>::Acc;
     const Isa isa = best_isa();
-    p.bf16_dot = isa == Isa::avx512bf16 && std::is_same_v<T, bf16>;
+    p.bf16_dot = (isa == Isa::avx512bf16 || isa == Isa::avx512bf16emu) && std::is_same_v<T, bf16>;
     const auto delta_fn = SCKPT_PICK(isa, delta_rows, T);
     const auto dq_fn = SCKPT_PICK(isa, dq_tile, T);
     const auto dkv_fn = SCKPT_PICK(isa, dkv_tile, T);
@@ -276,6 +285,7 @@ std::pair<int64_t, int64_t> attention_tiles(int64_t block_q, int64_t block_k) {
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::avx512bf16: return "avx512bf16";
+    case Isa::avx512bf16emu: return "avx512bf16emu";
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "generic";
@@ -284,8 +294,8 @@ const char* isa_name(Isa isa) {
 
 const char* attention_isa() { return isa_name(best_isa()); }
 
-// Runs the kernels compiled for `name` ("generic", "avx2", "avx512", "avx512bf16", or "native" to undo), which
-// this CPU must support; returns the previous choice.
+// Runs the kernels compiled for `name` ("generic", "avx2", "avx512", "avx512bf16emu", "avx512bf16", or "native"
+// to undo), which this CPU must support (avx512bf16emu needs AVX-512 only); returns the previous choice.
 std::string attention_use_isa(const std::string& name) {
   const std::string old = g_isa.load() < 0 ? "native" : isa_name(best_isa());
   int chosen;
@@ -293,9 +303,11 @@ std::string attention_use_isa(const std::string& name) {
   else if (name == "generic") chosen = int(Isa::generic);
   else if (name == "avx2") chosen = int(Isa::avx2);
   else if (name == "avx512") chosen = int(Isa::avx512);
+  else if (name == "avx512bf16emu") chosen = int(Isa::avx512bf16emu);
   else if (name == "avx512bf16") chosen = int(Isa::avx512bf16);
-  else throw std::invalid_argument("attention ISA must be native, generic, avx2, avx512 or avx512bf16");
-  if (chosen > int(native_isa())) throw std::invalid_argument("this CPU does not run attention ISA " + name);
+  else throw std::invalid_argument("attention ISA must be native, generic, avx2, avx512, avx512bf16emu or avx512bf16");
+  const int needs = chosen == int(Isa::avx512bf16emu) ? int(Isa::avx512) : chosen;
+  if (needs > int(native_isa())) throw std::invalid_argument("this CPU does not run attention ISA " + name);
   g_isa.store(chosen);
   return old;
 }

@@ -1,7 +1,8 @@
 // bf16 tile products with native dot products (AVX512_BF16's vdpbf16ps): 32 multiply-adds per
 // instruction where the float path does 16. A part of attention_kernels.h, compiled inside the ISA's
 // namespace: no #include here. Only the ISA with kBf16Dot instantiates these templates (for T = bf16),
-// so the intrinsics never reach a function compiled without the target.
+// so the intrinsics never reach a function compiled without the target. The ISA avx512bf16emu
+// (kBf16DotMode 2) runs the same path with each dot product done in float instructions.
 //
 // vdpbf16ps adds a[2i] * b[2i] + a[2i+1] * b[2i+1] into float lane i, so both operands hold bf16 in
 // pairs along the reduced dimension k, one 32-bit word per pair (element 2i in the low half):
@@ -100,6 +101,8 @@ inline void dot_pack_rows(const float* s, int64_t lds, int64_t R, int64_t K, int
 }
 
 // One register block: C[kMR x NV vectors] (+)= A[kMR x 2Kp] B[2Kp x NV vectors] in bf16 pairs.
+// kBf16DotMode 2 computes what vdpbf16ps does with float instructions, in its order (the two exact
+// products summed, then added to the lane), so the dot path runs and is tested on any AVX-512 CPU.
 template <int NV, bool TA>
 inline void dot_block(const uint32_t* __restrict a, int64_t lda, const uint32_t* __restrict b, int64_t ldb,
                       int64_t Kp, float* __restrict c, int64_t ldc, bool accumulate) {
@@ -107,11 +110,27 @@ inline void dot_block(const uint32_t* __restrict a, int64_t lda, const uint32_t*
   for (int r = 0; r < kMR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
   for (int64_t kp = 0; kp < Kp; ++kp) {
-    __m512bh bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + kp * ldb + 16 * v);
-    for (int r = 0; r < kMR; ++r) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(int(TA ? a[kp * lda + r] : a[r * lda + kp]));
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+    __m512i bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + kp * ldb + 16 * v);
+    if constexpr (kBf16DotMode == 1) {
+      for (int r = 0; r < kMR; ++r) {
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(int(TA ? a[kp * lda + r] : a[r * lda + kp]));
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, (__m512bh)bv[v]);
+      }
+    } else {
+      const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+      __m512 b0[NV], b1[NV];
+      for (int v = 0; v < NV; ++v) {
+        b0[v] = _mm512_castsi512_ps(_mm512_slli_epi32(bv[v], 16));
+        b1[v] = _mm512_castsi512_ps(_mm512_and_si512(bv[v], high));
+      }
+      for (int r = 0; r < kMR; ++r) {
+        const __m512i aw = _mm512_set1_epi32(int(TA ? a[kp * lda + r] : a[r * lda + kp]));
+        const __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(aw, 16));
+        const __m512 a1 = _mm512_castsi512_ps(_mm512_and_si512(aw, high));
+        for (int v = 0; v < NV; ++v)
+          acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_fmadd_ps(a0, b0[v], _mm512_mul_ps(a1, b1[v])));
+      }
     }
   }
   for (int r = 0; r < kMR; ++r)

@@ -1,7 +1,7 @@
 // The tile kernels of one ISA: attention.cpp includes this file once per ISA, inside sckpt's
 // anonymous namespace and under that ISA's `#pragma GCC target`, after defining
 //
-//   SCKPT_ATT_ISA  (namespace, scalar FMA 0/1, vector bytes, vector multiply-add, NR, MR, bf16 dot 0/1)
+//   SCKPT_ATT_ISA  (namespace, scalar FMA 0/1, vector bytes, vector multiply-add, NR, MR, bf16 dot 0/1/2)
 //
 // e.g. (avx2, 1, 32, _mm256_fmadd_ps, 16, 4, 0). The kernels land in sckpt::<anon>::<namespace> with
 // the ISA's constants; the macros are undefined again at the end, SCKPT_ATT_ISA included. No
@@ -15,7 +15,8 @@
   constexpr int kVecBytes = vb;    /* bytes of a float vector register */                        \
   constexpr int kNR = nr;          /* columns of a register block (one or two vectors) */        \
   constexpr int kMR = mr;          /* rows of a register block */                                \
-  constexpr bool kBf16Dot = dot;   /* bf16 tiles multiply with vdpbf16ps (attention_dot.h) */
+  constexpr int kBf16DotMode = dot; /* 0: float tiles; 1: bf16 tiles in vdpbf16ps; 2: the same */  \
+  constexpr bool kBf16Dot = dot != 0; /* pairs, each dot product emulated (attention_dot.h) */
 #define SCKPT_ATT_VFMA_OF(name, fma, vb, vfma, nr, mr, dot) vfma
 #define SCKPT_ATT_VFMA SCKPT_ATT_APPLY(SCKPT_ATT_VFMA_OF, SCKPT_ATT_ISA)  // VecF a * b + c
 

@@ -20,7 +20,7 @@ from selective_ckpt import convert, memory, rng, set_recompute
 from selective_ckpt.memory.peak import cpu_allocation_deltas
 from selective_ckpt.models.configuration import layer_estimate
 from selective_ckpt.registry import recomputable_layers
-from tests.reference import assert_within_rule
+from tests.reference import assert_within_rule, noisier
 
 VOCAB, H, S, B = 96, 64, 24, 2
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -209,12 +209,18 @@ def test_loss_and_gradients_follow_transformers(family, config, tmp_path):
     r_loss, r_logits, r_grads = _grads(ref, ids, config, autocast=False)
     p_loss, p_logits, p_grads = _grads(plain, ids, config)
     o_loss, o_logits, o_grads = _grads(ours, ids, config)
-    assert_within_rule(o_logits, p_logits, r_logits, 2, name="logits")
+    # transformers' eager attention beside its SDPA: in 16 bits a small gradient's max error differs
+    # between the two by rounding luck (qwen2's o_proj lora_A: 1.1e-3 with SDPA, 3.0e-3 eager), so
+    # eager PyTorch's error is the larger of the two
+    plain.set_attn_implementation("eager")
+    _, e_logits, e_grads = _grads(plain, ids, config)
+    assert_within_rule(o_logits, noisier(p_logits, e_logits, r_logits), r_logits, 2, name="logits")
     # one scalar's 16-bit error is luck of cancellation: the logits carry the rule, the loss a bf16 floor
     assert_within_rule(o_loss, p_loss, r_loss, 2, floor=1e-3, name="loss")
-    assert set(o_grads) == set(p_grads) == set(r_grads) and o_grads
+    assert set(o_grads) == set(p_grads) == set(r_grads) == set(e_grads) and o_grads
     for n in r_grads:
-        assert_within_rule(o_grads[n], p_grads[n], r_grads[n], 3, floor=1e-5, name=f"grad {n}")
+        eager = noisier(p_grads[n], e_grads[n], r_grads[n])
+        assert_within_rule(o_grads[n], eager, r_grads[n], 3, floor=1e-5, name=f"grad {n}")
 
 
 @pytest.mark.parametrize("config", ("bf16-lora-dropout", "qlora-dropout", "autocast-qlora-dropout"))

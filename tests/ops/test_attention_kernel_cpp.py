@@ -348,7 +348,7 @@ def test_public_attention_is_the_kernel(case):
 
 
 # every variant csrc/attention.cpp compiles; a test skips the ones this CPU cannot run
-ISAS = ["generic", "avx2", "avx512", "avx512bf16"]
+ISAS = ["generic", "avx2", "avx512", "avx512bf16emu", "avx512bf16"]
 
 
 @pytest.mark.parametrize("isa", ISAS)
