@@ -128,7 +128,7 @@ Isa best_isa() {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr_t cu, int64_t ndocs, bool causal,
-                     int64_t window, double scale, uintptr_t seed, int64_t t16, double keep_scale) {
+                     int64_t window, double scale, double softcap, uintptr_t seed, int64_t t16, double keep_scale) {
   Problem p{};
   p.B = sizes[0];
   p.H = sizes[1];
@@ -151,6 +151,8 @@ Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr
   p.causal = causal;
   p.window = std::max<int64_t>(window, 0);
   p.scale = scale;
+  if (!(softcap >= 0) || std::isinf(softcap)) throw std::invalid_argument("attention: softcap must be finite and >= 0 (0 = none)");
+  p.softcap = softcap;
   p.t16 = uint32_t(t16);
   p.keep_scale = keep_scale;
   if (t16 > 0) {  // the seed tensor is read only when dropout is on (it may be null otherwise)
@@ -163,9 +165,9 @@ Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr
 // o, lse <- attention(q, k, v). sizes = (B, H, Hkv, Sq, Sk, D); strides of (batch, head, row).
 void attention_forward(int dtype, std::array<int64_t, 6> sizes, uintptr_t q, Strides qs, uintptr_t k, Strides ks,
                        uintptr_t v, Strides vs, uintptr_t o, Strides os, uintptr_t lse, uintptr_t pad, uintptr_t cu,
-                       int64_t ndocs, bool causal, int64_t window, double scale, uintptr_t seed, int64_t t16,
-                       double keep_scale) {
-  Problem p = make_problem(sizes, pad, cu, ndocs, causal, window, scale, seed, t16, keep_scale);
+                       int64_t ndocs, bool causal, int64_t window, double scale, double softcap, uintptr_t seed,
+                       int64_t t16, double keep_scale) {
+  Problem p = make_problem(sizes, pad, cu, ndocs, causal, window, scale, softcap, seed, t16, keep_scale);
   p.q = as_ptr<const void>(q);
   p.k = as_ptr<const void>(k);
   p.v = as_ptr<const void>(v);
@@ -198,9 +200,9 @@ void attention_forward(int dtype, std::array<int64_t, 6> sizes, uintptr_t q, Str
 // dq, dk, dv <- gradients of attention given do. do, dq, dk, dv are contiguous.
 void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout, uintptr_t q, Strides qs, uintptr_t k,
                         Strides ks, uintptr_t v, Strides vs, uintptr_t o, Strides os, uintptr_t lse, uintptr_t pad,
-                        uintptr_t cu, int64_t ndocs, bool causal, int64_t window, double scale, uintptr_t seed,
-                        int64_t t16, double keep_scale, uintptr_t dq, uintptr_t dk, uintptr_t dv) {
-  Problem p = make_problem(sizes, pad, cu, ndocs, causal, window, scale, seed, t16, keep_scale);
+                        uintptr_t cu, int64_t ndocs, bool causal, int64_t window, double scale, double softcap,
+                        uintptr_t seed, int64_t t16, double keep_scale, uintptr_t dq, uintptr_t dk, uintptr_t dv) {
+  Problem p = make_problem(sizes, pad, cu, ndocs, causal, window, scale, softcap, seed, t16, keep_scale);
   p.q = as_ptr<const void>(q);
   p.k = as_ptr<const void>(k);
   p.v = as_ptr<const void>(v);
@@ -316,12 +318,12 @@ void register_attention(py::module_& m) {
   m.def("attention_forward", &attention_forward, py::arg("dtype"), py::arg("sizes"), py::arg("q"), py::arg("q_strides"),
         py::arg("k"), py::arg("k_strides"), py::arg("v"), py::arg("v_strides"), py::arg("o"), py::arg("o_strides"),
         py::arg("lse"), py::arg("key_padding_mask"), py::arg("cu_seqlens"), py::arg("n_docs"), py::arg("causal"),
-        py::arg("window"), py::arg("scale"), py::arg("seed"), py::arg("t16"), py::arg("keep_scale"),
+        py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("seed"), py::arg("t16"), py::arg("keep_scale"),
         py::call_guard<py::gil_scoped_release>());
   m.def("attention_backward", &attention_backward, py::arg("dtype"), py::arg("sizes"), py::arg("do"), py::arg("q"),
         py::arg("q_strides"), py::arg("k"), py::arg("k_strides"), py::arg("v"), py::arg("v_strides"), py::arg("o"),
         py::arg("o_strides"), py::arg("lse"), py::arg("key_padding_mask"), py::arg("cu_seqlens"), py::arg("n_docs"),
-        py::arg("causal"), py::arg("window"), py::arg("scale"), py::arg("seed"), py::arg("t16"),
+        py::arg("causal"), py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("seed"), py::arg("t16"),
         py::arg("keep_scale"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::call_guard<py::gil_scoped_release>());
   m.def("attention_tiles", &attention_tiles, py::arg("block_q"), py::arg("block_k"));
   m.def("attention_isa", &attention_isa);

@@ -64,6 +64,8 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
   const int64_t D = p.D, Dp = p.Dp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
   const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
   const Acc scale = Acc(p.scale);
+  const bool capped = p.softcap > 0;
+  const Acc sscale = capped ? Acc(1) : scale;  // soft-capping folds the scale into the capped scores
   Acc *Qt = w.a.data(), *dOt = w.b.data(), *Kn = w.c.data(), *Vn = w.d.data();
   Acc *St = w.f.data(), *dPt = w.g.data(), *dQ = w.acc.data();
   uint32_t* kbits = w.keepbits.data();
@@ -123,12 +125,14 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
       gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
       gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
     }
+    if (capped) softcap_tile(St, nk * N, scale, Acc(p.softcap), w.capf.data());
     pad_row(p, b, j0, nk, nk, padv);
     if (p.t16) keep_tile_bits(p, bh, i0, n, j0, nk, N, kbits);
     const bool full = tile_full(p, lo, hi, n, j0, j0 + nk);
     const DqRow<Acc> row = fused ? dq_row_for<true, Acc>(full, p.t16) : dq_row_for<false, Acc>(full, p.t16);
     for (int64_t r = 0; r < nk; ++r)
-      row(St + r * N, dPt + r * N, N, j0 + r, padv[r] != 0, lo, hi, lse, delta, scale, kbits + (r >> 3) * N, r & 7, ks);
+      row(St + r * N, dPt + r * N, N, j0 + r, padv[r] != 0, lo, hi, lse, delta, sscale, kbits + (r >> 3) * N, r & 7, ks);
+    if (capped) scale_by(dPt, w.capf.data(), nk * N);  // dS by the scaled scores, for dQ and dK
     // the single pass: dV += P~^T dO and dK += dS^T Q over this tile's n queries. Rows nk..MK of
     // S^T and dP^T are products with the zero rows past nk: they add 0 into rows past the tile.
     if (fused) {
@@ -167,6 +171,8 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
   const int64_t j0 = t * p.BN, nk = std::min(p.BN, p.Sk - j0), j1 = j0 + nk;
   const int64_t MK = round_up(nk, kMR), NK = round_up(nk, 16);
   const Acc scale = Acc(p.scale), inf = std::numeric_limits<Acc>::infinity();
+  const bool capped = p.softcap > 0;
+  const Acc sscale = capped ? Acc(1) : scale;  // soft-capping folds the scale into the capped scores
   Acc *Kt = w.a.data(), *Vt = w.b.data(), *Qn = w.c.data(), *dOn = w.d.data();
   Acc *S = w.e.data(), *dP = w.f.data(), *keep = w.keep.data();
   uint32_t* kbits = w.keepbits.data();
@@ -221,6 +227,7 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
         gemm(Qn, Dp, Kt, NK, M, NK, D, S, NK, false);    // S = Q K^T
         gemm(dOn, Dp, Vt, NK, M, NK, D, dP, NK, false);  // dP = dO V^T
       }
+      if (capped) softcap_tile(S, n * NK, scale, Acc(p.softcap), w.capf.data());
       if (p.t16) keep_tile_bits(p, bh, i0, n, j0, nk, BM, kbits);  // bit c & 7 of kbits[(c >> 3) * BM + r]
       for (int64_t r = 0; r < n; ++r) {
         Acc *s = S + r * NK, *dp = dP + r * NK;
@@ -235,14 +242,14 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
           if (p.t16) {
             keep_row_of(kbits, BM, r, nk, ks, keep);
             for (int64_t c = 0; c < nk; ++c) {
-              const Acc pr = exp_nan(s[c] * scale - lr);
+              const Acc pr = exp_nan(s[c] * sscale - lr);
               dp[c] = pr * (dp[c] * keep[c] - dr);
               s[c] = pr * keep[c];
             }
             for (int64_t c = nk; c < NK; ++c) dp[c] = s[c] = Acc(0);  // columns past nk: keys that do not exist
           } else {
             for (int64_t c = 0; c < NK; ++c) {
-              const Acc pr = exp_nan(s[c] * scale - lr);
+              const Acc pr = exp_nan(s[c] * sscale - lr);
               dp[c] = pr * (dp[c] - dr);
               s[c] = pr;
             }
@@ -255,13 +262,14 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
         }
         for (int64_t c = 0; c < NK; ++c) {
           const bool on = (c >= a) & (c < e) & (padv[c] != 0);
-          const Acc pr = exp_nan(or_neg_inf(on, s[c] * scale - lr));
+          const Acc pr = exp_nan(or_neg_inf(on, s[c] * sscale - lr));
           dp[c] = or_zero(on, pr * (dp[c] - dr));
           s[c] = or_zero(on, pr);
         }
         if (p.t16)
           for (int64_t c = a; c < e; ++c) s[c] *= keep[c];
       }
+      if (capped) scale_by(dP, w.capf.data(), n * NK);  // dS by the scaled scores, for dK
       if constexpr (kDot<T>) {  // P~ and dS rounded to bf16 pairs along queries
         dot_pack_pairs(S, NK, n, NK, Pw);
         dot_pack_pairs(dP, NK, n, NK, dSw);

@@ -10,6 +10,8 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
   const int64_t D = p.D, Dp = p.Dp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
   const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
   const Acc scale = Acc(p.scale), neg_inf = -std::numeric_limits<Acc>::infinity();
+  const bool capped = p.softcap > 0;
+  const Acc sscale = capped ? Acc(1) : scale;  // soft-capping folds the scale into the capped scores
   Acc *Qt = w.a.data(), *Kn = w.b.data(), *V = w.c.data(), *St = w.d.data(), *O = w.acc.data();
   Acc *m = w.m.data(), *l = w.l.data(), *tmax = w.rowv.data(), *shift = w.rowv2.data();
   uint32_t* kbits = w.keepbits.data();
@@ -45,6 +47,7 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
       load_rows(vb + j0 * p.vs[2], p.vs[2], nk, nk, D, Dp, V);
       gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);
     }
+    if (capped) softcap_tile(St, nk * N, scale, Acc(p.softcap), static_cast<Acc*>(nullptr));
     pad_row(p, b, j0, nk, nk, padv);
     for (int64_t c = 0; c < N; ++c) {
       tmax[c] = neg_inf;
@@ -55,7 +58,7 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
       for (int64_t r = 0; r < nk; ++r) {
         Acc* s = St + r * N;
         for (int64_t c = 0; c < N; ++c) {
-          s[c] *= scale;
+          s[c] *= sscale;
           tmax[c] = __builtin_isgreater(s[c], tmax[c]) ? s[c] : tmax[c];
         }
       }
@@ -67,7 +70,7 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
         for (int64_t c = 0; c < N; ++c) {
           const bool on = pj & (j >= lo[c]) & (j < hi[c]);
           seen[c] |= uint8_t(on);
-          s[c] = or_neg_inf(on, s[c] * scale);
+          s[c] = or_neg_inf(on, s[c] * sscale);
           tmax[c] = __builtin_isgreater(s[c], tmax[c]) ? s[c] : tmax[c];
         }
       }

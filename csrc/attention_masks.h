@@ -39,6 +39,37 @@ inline float or_zero(bool on, float v) {
 }
 inline double or_zero(bool on, double v) { return on ? v : 0.0; }
 
+// Attention-logit soft-capping (Gemma 2): each of `count` raw scores s = q . k becomes
+// cap * tanh(scale * s / cap), the softmax scale folded in (the row loops then scale by 1). With
+// dcap, 1 - tanh^2 = d(capped score) / d(scaled score) lands there for the backward (scale_by).
+// A NaN score's factor is 0, so a masked entry's dS stays 0 (an attended NaN is in dS already).
+inline float tanh_of(float x) { return fast_tanhf(x); }
+inline double tanh_of(double x) { return std::tanh(x); }
+inline bool is_nan_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u & 0x7fffffffu) > 0x7f800000u;
+}
+inline bool is_nan_bits(double x) { return std::isnan(x); }
+template <class Acc>
+inline void softcap_tile(Acc* s, int64_t count, Acc scale, Acc cap, Acc* dcap) {
+  const Acc f = scale / cap;
+  for (int64_t i = 0; i < count; ++i) {
+    const Acc t = tanh_of(s[i] * f);
+    s[i] = cap * t;
+    if (dcap != nullptr) {
+      const Acc d = Acc(1) - t * t;
+      dcap[i] = or_zero(!is_nan_bits(d), d);
+    }
+  }
+}
+
+// x[i] *= f[i]: the gradient by the capped scores turned into the gradient by the scaled ones.
+template <class Acc>
+inline void scale_by(Acc* x, const Acc* f, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) x[i] *= f[i];
+}
+
 // padv[c] = key j0 + c may be attended under the padding mask (c < nk), 0 past nk up to ncols.
 inline void pad_row(const Problem& p, int64_t b, int64_t j0, int64_t nk, int64_t ncols, uint8_t* padv) {
   for (int64_t c = 0; c < nk; ++c) padv[c] = p.pad ? uint8_t(p.pad[b * p.Sk + j0 + c] != 0) : uint8_t(1);

@@ -28,6 +28,7 @@ struct Problem {
   bool causal;
   int64_t window;  // 0 = none
   double scale;
+  double softcap;  // 0 = none; else scores are softcap * tanh(scale * q.k / softcap)
   PhiloxKey key{0};
   uint32_t t16;
   double keep_scale;
@@ -78,6 +79,7 @@ struct Work {
   std::vector<uint8_t> padv, seen;
   std::vector<uint32_t> keepbits;  // a tile's dropout bits: one word per 8 keys and query
   std::vector<uint32_t> words[10];  // bf16 operand tiles in pairs (attention_dot.h), when p.bf16_dot
+  std::vector<Acc> capf;  // under soft-capping: 1 - tanh^2 of a score tile, for the backward
   std::vector<Acc> kv;  // the single pass's dK and dV of one kv head, [key tiles * BN, Dp] each
   explicit Work(const Problem& p) {
     const int64_t T = std::max(p.BM, p.BN);
@@ -93,6 +95,7 @@ struct Work {
     keep.assign(size_t(T), Acc(0));  // one row's keep factors, unpacked from keepbits
     if (p.bf16_dot)
       for (auto& v : words) v.assign(size_t(tile), 0u);
+    if (p.softcap > 0) capf.assign(size_t(tile), Acc(0));
     if (p.single_pass) kv.assign(size_t(2 * ((p.Sk + p.BN - 1) / p.BN) * p.BN * p.Dp), Acc(0));
   }
 };

@@ -41,4 +41,33 @@ inline float fast_expf(float x) {
   return p * two_n;
 }
 
+// tanh for float, vectorisable like fast_expf: for |x| < 0.625 the odd polynomial x P(x^2), its
+// degree-10 P fitted to tanh(x) / x in relative error (under 1 ulp); above, 1 - 2 / (e^{2|x|} + 1),
+// at least 0.55 there, so nothing cancels (1.4 ulp at most). The sign of x is put back on the bits;
+// NaN stays NaN, +-inf gives +-1.
+inline float fast_tanhf(float x) {
+  uint32_t xb;
+  std::memcpy(&xb, &x, 4);
+  const uint32_t mag = xb & 0x7fffffffu;
+  float ax;
+  std::memcpy(&ax, &mag, 4);
+  const float x2 = ax * ax;
+  float p = -0.005709210581664607f;
+  p = p * x2 + 0.0206414560233341f;
+  p = p * x2 - 0.05373953800949115f;
+  p = p * x2 + 0.13331413546093598f;
+  p = p * x2 - 0.33333277349394497f;
+  p = p * x2 + 0.9999999982827782f;
+  const float small = ax * p;
+  const float large = 1.0f - 2.0f / (fast_expf(2.0f * ax) + 1.0f);
+  uint32_t sb, lb;
+  std::memcpy(&sb, &small, 4);
+  std::memcpy(&lb, &large, 4);
+  uint32_t rb = (mag < 0x3F200000u ? sb : lb) | (xb & 0x80000000u);  // 0x3F200000 = 0.625f
+  rb = mag > 0x7f800000u ? xb : rb;
+  float r;
+  std::memcpy(&r, &rb, 4);
+  return r;
+}
+
 }  // namespace sckpt

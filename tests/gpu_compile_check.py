@@ -203,8 +203,8 @@ def attention_launch(tk, dtype, D, causal=False, p=0.0, B=2, H=4, Hkv=None, S=51
     seed = torch.zeros(2, dtype=torch.int32) if p > 0 else None
     t16 = round(p * 65536)
     ks = 65536 / (65536 - t16)
-    tk.forward(q, k, v, o, lse, pad, cu, causal, window, D**-0.5, seed, t16, ks)
-    tk.backward(torch.empty(B, H, S, D, dtype=dtype), q, k, v, o, lse, pad, cu, causal, window, D**-0.5, seed, t16,
+    tk.forward(q, k, v, o, lse, pad, cu, causal, window, D**-0.5, 0.0, seed, t16, ks)
+    tk.backward(torch.empty(B, H, S, D, dtype=dtype), q, k, v, o, lse, pad, cu, causal, window, D**-0.5, 0.0, seed, t16,
                 ks, dq, dk, dv)
 
 

@@ -93,8 +93,10 @@ def _common(q, k, key_padding_mask, cu_seqlens, window, seed, t16):
     return B, H, Hkv, Sq, Sk, pad, n_docs, max(n_docs, 1).bit_length(), int(window), seed
 
 
-def forward(q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale):
+def forward(q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale):
     """o [B, H, Sq, D] (any strides, last dim contiguous), lse fp32 [B, H, Sq] contiguous."""
+    if softcap:
+        raise NotImplementedError("attention softcap on the Triton backend")
     B, H, Hkv, Sq, Sk, pad, n_docs, doc_bits, window, seed = _common(q, k, key_padding_mask, cu_seqlens, window,
                                                                     seed, t16)
     if B * H * Sq == 0:
@@ -115,9 +117,11 @@ def delta(o, do, out):
     return out
 
 
-def backward(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale,
+def backward(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale,
              dq, dk, dv):
     """dq, dk, dv: outputs shaped like q, k, v (any strides with the last dim contiguous)."""
+    if softcap:
+        raise NotImplementedError("attention softcap on the Triton backend")
     B, H, Sq = q.shape[:3]
     if B * H == 0:
         return

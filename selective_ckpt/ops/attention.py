@@ -34,7 +34,8 @@ def heads_view(o):
 @torch.library.custom_op("selective_ckpt::attention_fwd", mutates_args=())
 def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
                      cu_seqlens: Optional[torch.Tensor], causal: bool, sliding_window: int, dropout_p: float,
-                     softmax_scale: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                     softmax_scale: float, seed: Optional[torch.Tensor],
+                     softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, Sq, _ = q.shape
     o = _output(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -42,12 +43,12 @@ def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
     t16, ks = rng.kernel_constants(dropout_p)
     if o.numel():  # an empty batch or query length has nothing to compute
         backend.call("attention", "forward", q, k, v, heads_view(o), lse, mask, cu_seqlens, causal, sliding_window,
-                     softmax_scale, seed, t16, ks)
+                     softmax_scale, softcap, seed, t16, ks)
     return o, lse
 
 
 @attention_fwd_op.register_fake
-def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed):
+def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed, softcap=0.0):
     B, H, Sq, _ = q.shape
     return _output(q), q.new_empty(B, H, Sq, dtype=torch.float32)
 
@@ -56,7 +57,8 @@ def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, 
 def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                      lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                      causal: bool, sliding_window: int, dropout_p: float, softmax_scale: float,
-                     seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     seed: Optional[torch.Tensor],
+                     softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do = do.contiguous()  # a grad from .sum().backward() has stride 0
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
@@ -64,17 +66,18 @@ def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if not do.numel():
         return dq, dk.zero_(), dv.zero_()
     backend.call("attention", "backward", do, q, k, v, o, lse.contiguous(), mask, cu_seqlens, causal, sliding_window,
-                 softmax_scale, seed, t16, ks, dq, dk, dv)
+                 softmax_scale, softcap, seed, t16, ks, dq, dk, dv)
     return dq, dk, dv
 
 
 @attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed):
+def _(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed,
+      softcap=0.0):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p, ctx.softmax_scale, seed = inputs
+    q, k, v, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p, ctx.softmax_scale, seed, ctx.softcap = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, mask, cu_seqlens, seed)
 
@@ -83,8 +86,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, mask, cu_seqlens, seed = ctx.saved_tensors
     dq, dk, dv = attention_bwd_op(heads_view(do), q, k, v, heads_view(o), lse, mask, cu_seqlens, ctx.causal,
-                                  ctx.window, ctx.dropout_p, ctx.softmax_scale, seed)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                                  ctx.window, ctx.dropout_p, ctx.softmax_scale, seed, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -190,8 +193,19 @@ def _check_scale(softmax_scale, D):
     return float(softmax_scale)
 
 
+def check_softcap(softcap, name="softcap"):
+    """A soft-cap as the kernels take it: None or 0 -> 0.0 (none), else a finite float > 0."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{name} must be a Python float or None, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"{name} must be a finite number > 0 (or None / 0 for none), got {softcap}")
+    return float(softcap)
+
+
 def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padding_mask=None, seed=None, *,
-              sliding_window=None, cu_seqlens=None):
+              sliding_window=None, cu_seqlens=None, softcap=None):
     """softmax(q k^T * softmax_scale + masks), dropped out, times v: o [B, H, Sq, D].
 
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H % Hkv == 0 (query head h reads kv head
@@ -204,7 +218,9 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     causal and window measured inside it. Rows with nothing to attend give 0.
     `dropout_p` drops normalised probabilities with the contract's mask; `seed=None` draws one from
     torch's generator when dropout_p > 0. The result is an ordinary view of a contiguous [B, Sq, H, D]
-    buffer (in-place ops on it work as on any tensor).
+    buffer (in-place ops on it work as on any tensor). `softcap=c` (Gemma 2's attention-logit
+    soft-capping) makes the scores c * tanh(q k^T * softmax_scale / c) before masks and softmax;
+    backward rebuilds them and their tanh from q and k.
     """
     _check_qkv(q, k, v)
     check_bool(causal, "causal")
@@ -213,6 +229,7 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     window = _check_window(sliding_window)
     cu_seqlens = _check_cu_seqlens(cu_seqlens, q, k, mask)
     scale = _check_scale(softmax_scale, q.shape[-1])
+    cap = check_softcap(softcap)
     seed = rng.site_seed(dropout_p, seed, q.device)
-    o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed)
+    o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed, cap)
     return heads_view(o)

@@ -41,7 +41,7 @@ def backward_passes(request):
     _C.attention_backward_passes(old)
 
 
-def _args(q, k, v, mask, cu, causal, window, scale, p, seed):
+def _args(q, k, v, mask, cu, causal, window, scale, p, seed, softcap=0.0):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     scale = D**-0.5 if scale is None else scale
@@ -51,14 +51,14 @@ def _args(q, k, v, mask, cu, causal, window, scale, p, seed):
     keep = (seed_t, mask_u8, cu_t)  # alive until the call returns
     common = dict(key_padding_mask=0 if mask_u8 is None else mask_u8.data_ptr(),
                   cu_seqlens=0 if cu_t is None else cu_t.data_ptr(), n_docs=0 if cu is None else len(cu) - 1,
-                  causal=causal, window=window or 0, scale=scale,
+                  causal=causal, window=window or 0, scale=scale, softcap=softcap,
                   seed=0 if seed_t is None else seed_t.data_ptr(), t16=rng.threshold(p), keep_scale=rng.keep_scale(p))
     return (B, H, Hkv, Sq, Sk, D), common, keep
 
 
-def kernel_forward(q, k, v, mask=None, cu=None, causal=False, window=0, scale=None, p=0.0, seed=0):
+def kernel_forward(q, k, v, mask=None, cu=None, causal=False, window=0, scale=None, p=0.0, seed=0, softcap=0.0):
     B, H, Sq, D = q.shape
-    sizes, common, _keep = _args(q, k, v, mask, cu, causal, window, scale, p, seed)
+    sizes, common, _keep = _args(q, k, v, mask, cu, causal, window, scale, p, seed, softcap)
     o = torch.full((B, Sq, H, D), 7.0, dtype=q.dtype).permute(0, 2, 1, 3)  # the op's layout; 7 = unwritten
     lse = torch.full((B, H, Sq), 7.0)
     _C.attention_forward(CODES[q.dtype], sizes, q.data_ptr(), q.stride()[:3], k.data_ptr(), k.stride()[:3],
@@ -66,8 +66,9 @@ def kernel_forward(q, k, v, mask=None, cu=None, causal=False, window=0, scale=No
     return o, lse
 
 
-def kernel_backward(do, q, k, v, o, lse, mask=None, cu=None, causal=False, window=0, scale=None, p=0.0, seed=0):
-    sizes, common, _keep = _args(q, k, v, mask, cu, causal, window, scale, p, seed)
+def kernel_backward(do, q, k, v, o, lse, mask=None, cu=None, causal=False, window=0, scale=None, p=0.0, seed=0,
+                    softcap=0.0):
+    sizes, common, _keep = _args(q, k, v, mask, cu, causal, window, scale, p, seed, softcap)
     do = do.contiguous()
     dq, dk, dv = (torch.full(t.shape, 7.0, dtype=t.dtype) for t in (q, k, v))
     _C.attention_backward(CODES[q.dtype], sizes, do.data_ptr(), q.data_ptr(), q.stride()[:3], k.data_ptr(),

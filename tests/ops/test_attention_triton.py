@@ -54,13 +54,13 @@ def ours_fwd_bwd(q, k, v, grad, causal, window, pad, cu, p, seed, scale, packed_
     lse = torch.empty(B, H, Sq, dtype=torch.float32)
     t16, ks = rng.threshold(p), rng.keep_scale(p)
     sd = _seed_tensor(seed) if p > 0 else None
-    tk.forward(q, k, v, o, lse, pad, cu, causal, window, scale, sd, t16, ks)
+    tk.forward(q, k, v, o, lse, pad, cu, causal, window, scale, 0.0, sd, t16, ks)
     if packed_grads:
         buf = torch.full((B, Sq, 3, H, D), float("nan"), dtype=q.dtype)
         dq, dk, dv = (buf[:, :, i].permute(0, 2, 1, 3) for i in range(3))
     else:
         dq, dk, dv = (torch.full(t.shape, float("nan"), dtype=t.dtype) for t in (q, k, v))
-    tk.backward(grad.to(q.dtype).contiguous(), q, k, v, o, lse, pad, cu, causal, window, scale, sd, t16, ks,
+    tk.backward(grad.to(q.dtype).contiguous(), q, k, v, o, lse, pad, cu, causal, window, scale, 0.0, sd, t16, ks,
                 dq, dk, dv)
     return o, lse, dq, dk, dv
 
@@ -190,7 +190,7 @@ def test_nan_key_propagates_like_sdpa():
     tk = _tk()
     o = torch.empty_like(q)
     lse = torch.empty(1, 1, 16)
-    tk.forward(q, k, v, o, lse, None, None, True, 0, 0.25, None, 0, 1.0)
+    tk.forward(q, k, v, o, lse, None, None, True, 0, 0.25, 0.0, None, 0, 1.0)
     assert torch.isfinite(o[0, 0, :3]).all() and torch.isnan(o[0, 0, 3:]).all(1).all()
 
 
@@ -216,9 +216,9 @@ def _run_case(name, device="cuda"):
     t16, ks = rng.threshold(p), rng.keep_scale(p)
     sd = seed_tensor(seed, device) if p > 0 else None
     cud = cu.to(device) if cu is not None else None
-    tk.forward(q, k, v, o, lse, pad, cud, causal, window, scale, sd, t16, ks)
+    tk.forward(q, k, v, o, lse, pad, cud, causal, window, scale, 0.0, sd, t16, ks)
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-    tk.backward(grad.to(device, dtype).contiguous(), q, k, v, o, lse, pad, cud, causal, window, scale, sd, t16, ks,
+    tk.backward(grad.to(device, dtype).contiguous(), q, k, v, o, lse, pad, cud, causal, window, scale, 0.0, sd, t16, ks,
                 dq, dk, dv)
     kw = dict(causal=causal, window=window, pad=pad.cpu() if pad is not None else None, cu=cu, p=p, seed=seed,
               scale=scale)
@@ -245,7 +245,7 @@ def test_more_than_65535_batch_heads():
     B, H, S, D = 2, 33000, 16, 16
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
     o, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
-    tk.forward(q, k, v, o, lse, None, None, True, 0, D**-0.5, None, 0, 1.0)
+    tk.forward(q, k, v, o, lse, None, None, True, 0, D**-0.5, 0.0, None, 0, 1.0)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert (o.float() - want.float()).abs().max() < 1e-2
 
