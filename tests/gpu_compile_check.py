@@ -184,7 +184,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def attention_launch(tk, dtype, D, causal=False, p=0.0, B=2, H=4, Hkv=None, S=512, Sk=None, window=0, docs=None,
-                     padded=False, packed=False):
+                     padded=False, packed=False, softcap=0.0):
     """Forward and backward through the Triton entry points with a real launch's tensors."""
     Hkv, Sk = Hkv or H, Sk or S
     if packed:
@@ -203,9 +203,9 @@ def attention_launch(tk, dtype, D, causal=False, p=0.0, B=2, H=4, Hkv=None, S=51
     seed = torch.zeros(2, dtype=torch.int32) if p > 0 else None
     t16 = round(p * 65536)
     ks = 65536 / (65536 - t16)
-    tk.forward(q, k, v, o, lse, pad, cu, causal, window, D**-0.5, 0.0, seed, t16, ks)
-    tk.backward(torch.empty(B, H, S, D, dtype=dtype), q, k, v, o, lse, pad, cu, causal, window, D**-0.5, 0.0, seed, t16,
-                ks, dq, dk, dv)
+    tk.forward(q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed, t16, ks)
+    tk.backward(torch.empty(B, H, S, D, dtype=dtype), q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed,
+                t16, ks, dq, dk, dv)
 
 
 def exercise_attention():
@@ -221,11 +221,12 @@ def exercise_attention():
     variants = dict(gqa=dict(H=8, Hkv=2, causal=True), window=dict(causal=True, window=128),
                     varlen=dict(B=1, docs=(100, 300, 112), causal=True), padded=dict(padded=True),
                     ragged=dict(S=500, Sk=500, causal=True), packed=dict(packed=True),
-                    mqa_window=dict(H=4, Hkv=1, window=64))
+                    mqa_window=dict(H=4, Hkv=1, window=64), softcap=dict(H=8, Hkv=2, causal=True, softcap=50.0),
+                    softcap_lean=dict(softcap=30.0))
     for D in (128, 64):
         for p in (0.0, 0.1):
             for case, kw in variants.items():
-                if D == 64 and case not in ("varlen", "window", "ragged", "gqa", "padded"):
+                if D == 64 and case not in ("varlen", "window", "ragged", "gqa", "padded", "softcap", "softcap_lean"):
                     continue
                 kw = dict(kw)
                 causal = kw.pop("causal", False)

@@ -6,6 +6,9 @@ This file holds the entry points and the tile table; the kernels are in attentio
 Entry points and semantics: the attention kernel contract shared with the C++ backend
 (docs/kernels/attention.md; forward/backward argument lists as selective_ckpt/ops/attention.py calls them).
 
+Soft-capping (softcap = c > 0, Gemma 2) makes the logits c * tanh(scale * q.k / c) before any mask;
+the backward kernels rebuild t = tanh(...) with P and multiply dS by 1 - t^2.
+
 Forward: online softmax over key blocks in base 2 (scale * log2(e) folded into the logits), dropout
 on P after the row statistics, o normalised at the end, natural-log logsumexp stored (+inf for an
 empty row, so backward's exp(s - lse) is 0 there). Backward: a delta = rowsum(dO * O) pre-pass,
@@ -35,12 +38,13 @@ from .rounding import INTERPRETED
 INTERPRETER_BLOCKS = (16, 16)
 
 
-def _tiles(kernel, block_d, wide, dropout, lean):
+def _tiles(kernel, block_d, wide, dropout, lean, softcap):
     # Measured (tests/gpu_compile_check.py): dropout's Philox adds registers, so dK/dV's dropout
     # variants take 32-row (D <= 64) or 16-row query blocks; only lean launches (one query head per
     # kv head, no window, no documents, whole 64-row blocks) keep the plain tile, which spilled with
-    # the extra masking state of the others. The forward takes 8 warps (with 4 the D=64 causal and
-    # document variants spilled). fp32 uses IEEE dots, which Hopper runs on FMA units with whole
+    # the extra masking state of the others. Soft-capping's tanh tile, live until dS, spilled the plain
+    # D <= 64 tile and the lean D = 128 dropout tile: capped launches take the small tiles there. The
+    # forward takes 8 warps (with 4 the D=64 causal and document variants spilled). fp32 uses IEEE dots, which Hopper runs on FMA units with whole
     # operand rows per thread: only small tiles stay out of local memory there.
     if wide:
         return (16, 32, 4, 1) if kernel == "dkdv" else (16, 16, 4, 1)
@@ -51,7 +55,7 @@ def _tiles(kernel, block_d, wide, dropout, lean):
             return (128, 64, 8, 3)
         return (128, 32, 8, 2) if block_d <= 128 else (64, 32, 8, 2)
     # dkdv: a tall key block (two fp32 accumulators) resident, query blocks streamed
-    small = dropout and not lean
+    small = dropout and not lean or softcap and (dropout or block_d <= 64)
     if block_d <= 64:
         return (32, 128, 8, 3) if small else (64, 128, 8, 3)
     if block_d <= 128:
@@ -59,12 +63,12 @@ def _tiles(kernel, block_d, wide, dropout, lean):
     return (16, 64, 8, 2) if dropout else (32, 64, 8, 2)
 
 
-def config(kernel, D, dtype, dropout=False, lean=False):
+def config(kernel, D, dtype, dropout=False, lean=False, softcap=False):
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of one kernel; lean: see _tiles."""
     block_d = max(16, triton.next_power_of_2(D))
     if INTERPRETED:
         return INTERPRETER_BLOCKS + (block_d, 4, 1)
-    bm, bn, warps, stages = _tiles(kernel, block_d, dtype.itemsize == 4, dropout, lean)
+    bm, bn, warps, stages = _tiles(kernel, block_d, dtype.itemsize == 4, dropout, lean, softcap)
     return bm, bn, block_d, warps, stages
 
 
@@ -72,11 +76,20 @@ def _s3(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, t16, kernel):
+def _logit_factors(scale, softcap):
+    """(mult, tanh_in) of attention_common._scores: scale * log2(e) and unused, or with a cap c
+    c * log2(e) and scale / c."""
+    if softcap:
+        return softcap * LOG2E, scale / softcap
+    return scale * LOG2E, 0.0
+
+
+def _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, kernel):
     lean = q.shape[1] == k.shape[1] and window == 0 and cu_seqlens is None and Sq % 64 == 0
-    bm, bn, bd, warps, stages = config(kernel, q.shape[3], q.dtype, t16 > 0, lean)
+    bm, bn, bd, warps, stages = config(kernel, q.shape[3], q.dtype, t16 > 0, lean, bool(softcap))
     return dict(D=q.shape[3], CAUSAL=bool(causal), WINDOW=window > 0, VARLEN=cu_seqlens is not None,
-                HAS_PAD=pad is not None, DROPOUT=t16 > 0, IEEE=q.dtype.itemsize == 4, BLOCK_M=bm, BLOCK_N=bn,
+                HAS_PAD=pad is not None, DROPOUT=t16 > 0, SOFTCAP=bool(softcap), IEEE=q.dtype.itemsize == 4,
+                BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=bd, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0, num_warps=warps, num_stages=stages)
 
 
@@ -95,16 +108,15 @@ def _common(q, k, key_padding_mask, cu_seqlens, window, seed, t16):
 
 def forward(q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale):
     """o [B, H, Sq, D] (any strides, last dim contiguous), lse fp32 [B, H, Sq] contiguous."""
-    if softcap:
-        raise NotImplementedError("attention softcap on the Triton backend")
     B, H, Hkv, Sq, Sk, pad, n_docs, doc_bits, window, seed = _common(q, k, key_padding_mask, cu_seqlens, window,
                                                                     seed, t16)
     if B * H * Sq == 0:
         return
-    f = _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, t16, "fwd")
+    f = _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, "fwd")
     grid = (triton.cdiv(Sq, f["BLOCK_M"]) * B * H,)
     _fwd_kernel[grid](q, k, v, o, lse, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(o),
-                      H, H // Hkv, Sq, Sk, window, n_docs, doc_bits, scale * LOG2E, t16, float(keep_scale), **f)
+                      H, H // Hkv, Sq, Sk, window, n_docs, doc_bits, *_logit_factors(scale, softcap), t16,
+                      float(keep_scale), **f)
 
 
 def delta(o, do, out):
@@ -120,8 +132,6 @@ def delta(o, do, out):
 def backward(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale,
              dq, dk, dv):
     """dq, dk, dv: outputs shaped like q, k, v (any strides with the last dim contiguous)."""
-    if softcap:
-        raise NotImplementedError("attention softcap on the Triton backend")
     B, H, Sq = q.shape[:3]
     if B * H == 0:
         return
@@ -130,32 +140,34 @@ def backward(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, 
             t.zero_()
         return
     dl = delta(o, do, torch.empty(B, H, Sq, dtype=torch.float32, device=q.device))
-    args = (do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale)
+    args = (do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale)
     backward_dkdv(*args, dk, dv)
     backward_dq(*args, dq)
 
 
-def _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale, kernel):
+def _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale, kernel):
     B, H, Hkv, Sq, Sk, pad, n_docs, doc_bits, window, seed = _common(q, k, key_padding_mask, cu_seqlens, window,
                                                                     seed, t16)
-    tail = (H, H // Hkv, Sq, Sk, window, n_docs, doc_bits, scale, scale * LOG2E, t16, float(keep_scale))
-    return B, H, Hkv, Sq, Sk, pad, seed, tail, _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, t16, kernel)
+    tail = (H, H // Hkv, Sq, Sk, window, n_docs, doc_bits, scale, *_logit_factors(scale, softcap), t16,
+            float(keep_scale))
+    f = _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, kernel)
+    return B, H, Hkv, Sq, Sk, pad, seed, tail, f
 
 
-def backward_dkdv(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale,
-                  dk, dv):
+def backward_dkdv(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16,
+                  keep_scale, dk, dv):
     """dK, dV (reduced over each kv head's query group) given delta dl [B, H, Sq] fp32."""
     B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale,
-                                                      seed, t16, keep_scale, "dkdv")
+                                                      softcap, seed, t16, keep_scale, "dkdv")
     _bwd_dkdv_kernel[(triton.cdiv(Sk, f["BLOCK_N"]) * B * Hkv,)](
         q, k, v, do, lse, dl, dk, dv, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dk),
         *_s3(dv), *tail, **f)
 
 
-def backward_dq(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, seed, t16, keep_scale,
-                dq):
+def backward_dq(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16,
+                keep_scale, dq):
     """dQ given delta dl [B, H, Sq] fp32."""
     B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale,
-                                                      seed, t16, keep_scale, "dq")
+                                                      softcap, seed, t16, keep_scale, "dq")
     _bwd_dq_kernel[(triton.cdiv(Sq, f["BLOCK_M"]) * B * H,)](
         q, k, v, do, lse, dl, dq, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dq), *tail, **f)

@@ -5,7 +5,17 @@ logsumexp and the dropout mask from the seed. Entry points and tiles: triton_ker
 import triton
 import triton.language as tl
 
-from .attention_common import _allowed, _doc_bounds, _dot, _key_side, _load_rows, _query_block, _ranges, _store_rows
+from .attention_common import (
+    _allowed,
+    _doc_bounds,
+    _dot,
+    _key_side,
+    _load_rows,
+    _query_block,
+    _ranges,
+    _scores,
+    _store_rows,
+)
 from .philox import (
     apply_keep,
     apply_keep_bit,
@@ -20,10 +30,11 @@ from .rounding import to_storage
 
 @triton.jit
 def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sdh, sqm, sdm, G, b_lo, b_hi, c0, cols,
-                 dsk, dek, pad, Sq, Sk, window, k0, k1, bh_head, t16, keep_scale, scale_log2,
+                 dsk, dek, pad, Sq, Sk, window, k0, k1, bh_head, t16, keep_scale, scale_log2, tanh_in,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                  HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     # Transposed tiles [BLOCK_N, BLOCK_M]: key j down, query i across.
     EVEN_D: tl.constexpr = BLOCK_D == D
     CHECK: tl.constexpr = MASKED and not EVEN_M
@@ -49,7 +60,7 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
         else:
             lse = tl.load(lse_base + rows)
             delta = tl.load(delta_base + rows)
-        st = _dot(kb, tl.trans(q), IEEE) * scale_log2
+        st, tt = _scores(_dot(kb, tl.trans(q), IEEE), scale_log2, tanh_in, SOFTCAP)
         pt = tl.exp2(st - (lse * 1.4426950408889634)[None, :])
         if MASKED or HAS_PAD:
             # dsk/dek are the keys' document bounds: i shares j's document iff dsk <= i < dek.
@@ -67,6 +78,8 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
         else:
             dv += _dot(to_storage(pt, do.dtype), do, IEEE)
         dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:  # d(c tanh(s / c)) / ds
+            dst = dst * (1.0 - tt * tt)
         dk += _dot(to_storage(dst, q.dtype), q, IEEE)
     return dk, dv
 
@@ -75,10 +88,11 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
                      sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-                     H, G, Sq, Sk, window, n_docs, doc_bits, scale, scale_log2, t16, keep_scale,
+                     H, G, Sq, Sk, window, n_docs, doc_bits, scale, scale_log2, tanh_in, t16, keep_scale,
                      D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                      HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                     SOFTCAP: tl.constexpr):
     EVEN_D: tl.constexpr = BLOCK_D == D
     n_n = tl.cdiv(Sk, BLOCK_N)
     pid = tl.program_id(0)
@@ -128,20 +142,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     h0 = kvh * G  # the group's first query head; its G heads are reduced in order (deterministic)
     args = (Q + b * sqb + h0 * sqh, DO + b * sdb + h0 * sdh, (b * H + h0) * Sq, DELTA, LSE, sqh, sdh, sqm, sdm, G)
-    rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, k0, k1, b * H + h0, t16, keep_scale, scale_log2)
+    rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, k0, k1, b * H + h0, t16, keep_scale, scale_log2, tanh_in)
     # With dropout the loop is always split too (its edge ranges are then empty): as one loop, with the
     # dK/dV dots in flight across iterations and the keep flags changing layout inside it, ptxas
     # serialises every wgmma (C7515; n_wgmma_serialized in tests/gpu_compile_check.py).
     if CAUSAL or WINDOW or VARLEN or not EVEN_M or DROPOUT:
         dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
         dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
         dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
     else:
         dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M)
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
     _store_rows(DK + b * sdkb + kvh * sdkh, cols, sdkn, Sk, dims, dk * scale, D, not EVEN_N, EVEN_D)
     if DROPOUT:
         dv = dv * keep_scale
@@ -150,10 +164,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows, ds, de, pad_base,
-               Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2,
+               Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2, tanh_in,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     EVEN_D: tl.constexpr = BLOCK_D == D
     CHECK: tl.constexpr = MASKED and not EVEN_N
     dims = tl.arange(0, BLOCK_D)
@@ -165,7 +180,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0,
             cols = start + tl.arange(0, BLOCK_N)
         kb = _load_rows(k_base, cols, skn, Sk, dims, D, CHECK, EVEN_D)
         vb = _load_rows(v_base, cols, svn, Sk, dims, D, CHECK, EVEN_D)
-        s = _dot(q, tl.trans(kb), IEEE) * scale_log2
+        s, t = _scores(_dot(q, tl.trans(kb), IEEE), scale_log2, tanh_in, SOFTCAP)
         p = tl.exp2(s - lse2[:, None])
         if MASKED or HAS_PAD:
             pad = 1
@@ -180,6 +195,8 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0,
             words = attention_keep_words(k0, k1, r0, start, bh, BLOCK_M, BLOCK_N)
             dp = apply_keep(dp, words, t16) * keep_scale
         ds_ = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds_ = ds_ * (1.0 - t * t)
         dq += _dot(to_storage(ds_, kb.dtype), kb, IEEE)
     return dq
 
@@ -187,10 +204,11 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0,
 @triton.jit(do_not_specialize=["window", "n_docs", "doc_bits", "t16"])
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
                    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
-                   H, G, Sq, Sk, window, n_docs, doc_bits, scale, scale_log2, t16, keep_scale,
+                   H, G, Sq, Sk, window, n_docs, doc_bits, scale, scale_log2, tanh_in, t16, keep_scale,
                    D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                    HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
     EVEN_D: tl.constexpr = BLOCK_D == D
     bh, b, h, kvh, r0, r1, rows = _query_block(Sq, H, G, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -209,15 +227,15 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     args = (q, do, lse2, delta, k_base, v_base, skn, svn)
-    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2)
+    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2, tanh_in)
     if CAUSAL or WINDOW or VARLEN or not EVEN_N:
         dq = _dq_blocks(dq, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
         dq = _dq_blocks(dq, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
         dq = _dq_blocks(dq, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
     else:
         dq = _dq_blocks(dq, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
     _store_rows(DQ + b * sdqb + h * sdqh, rows, sdqm, Sq, dims, dq * scale, D, not EVEN_M, EVEN_D)

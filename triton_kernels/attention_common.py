@@ -23,6 +23,33 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in float32, written out (the interpreter has no libdevice): csrc/fastmath.h's fast_tanhf,
+    an odd polynomial below 0.625 and 1 - 2 / (e^(2|x|) + 1) above, so nothing cancels near 0."""
+    ax = tl.abs(x)
+    x2 = ax * ax
+    p = -0.005709210581664607 * x2 + 0.0206414560233341
+    p = p * x2 - 0.05373953800949115
+    p = p * x2 + 0.13331413546093598
+    p = p * x2 - 0.33333277349394497
+    p = p * x2 + 0.9999999982827782
+    r = tl.where(ax < 0.625, ax * p, 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0))
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _scores(qk, mult, tanh_in, SOFTCAP: tl.constexpr):
+    """Base-2 logits of a tile of score products q.k, and with SOFTCAP the tanh they went through
+    (backward's 1 - t^2). Plain: qk * scale * log2(e), mult being scale * log2(e). Capped at c:
+    c * tanh(qk * scale / c) * log2(e), mult being c * log2(e) and tanh_in scale / c."""
+    if SOFTCAP:
+        t = _tanh(qk * tanh_in)
+        return t * mult, t
+    else:
+        return qk * mult, qk
+
+
+@triton.jit
 def _load_rows(base, idx, stride, lim, dims, D: tl.constexpr, CHECK: tl.constexpr, EVEN_D: tl.constexpr):
     """Tile [len(idx), BLOCK_D] of rows idx (stride apart, last dim contiguous); masks only what can be out."""
     ptrs = base + idx.to(tl.int64)[:, None] * stride + dims[None, :]

@@ -5,7 +5,7 @@ pre-pass of backward. Entry points and tiles: triton_kernels/attention.py."""
 import triton
 import triton.language as tl
 
-from .attention_common import _allowed, _dot, _key_side, _load_rows, _query_block, _store_rows
+from .attention_common import _allowed, _dot, _key_side, _load_rows, _query_block, _scores, _store_rows
 from .philox import apply_keep, attention_keep_words, key_order
 from .rounding import to_storage
 
@@ -14,10 +14,11 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows, ds, de, pad_base,
-                Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2,
+                Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2, tanh_in,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                 HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr,
+                SOFTCAP: tl.constexpr):
     EVEN_D: tl.constexpr = BLOCK_D == D
     CHECK: tl.constexpr = MASKED and not EVEN_N
     dims = tl.arange(0, BLOCK_D)
@@ -29,7 +30,7 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
         start = blk * BLOCK_N
         cols = start + offs
         kb = _load_rows(k_base + start.to(tl.int64) * skn, offs, skn, Sk - start, dims, D, CHECK, EVEN_D)
-        s = _dot(q, tl.trans(kb), IEEE) * scale_log2
+        s, _ = _scores(_dot(q, tl.trans(kb), IEEE), scale_log2, tanh_in, SOFTCAP)
         if MASKED or HAS_PAD:
             pad = 1
             if HAS_PAD:
@@ -53,10 +54,11 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
 
 @triton.jit(do_not_specialize=["window", "n_docs", "doc_bits", "t16"])
 def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-                H, G, Sq, Sk, window, n_docs, doc_bits, scale_log2, t16, keep_scale,
+                H, G, Sq, Sk, window, n_docs, doc_bits, scale_log2, tanh_in, t16, keep_scale,
                 D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                 HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                SOFTCAP: tl.constexpr):
     EVEN_D: tl.constexpr = BLOCK_D == D
     bh, b, h, kvh, r0, r1, rows = _query_block(Sq, H, G, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -69,17 +71,17 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     args = (q, k_base, v_base, skn, svn)
-    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2)
+    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2, tanh_in)
     if CAUSAL or WINDOW or VARLEN or not EVEN_N:
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
     else:
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N)
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
     empty = l_i == 0.0
     inv = 1.0 / tl.where(empty, 1.0, l_i)
     if DROPOUT:

@@ -55,8 +55,8 @@ CASES = {
 }
 
 
-def check(name, dtype, cap=2.0, spread=2.0):
-    B, H, Hkv, Sq, Sk, D, causal, window, padding, docs, p = CASES[name]
+def check(name, dtype, cap=2.0, spread=2.0, case=None):
+    B, H, Hkv, Sq, Sk, D, causal, window, padding, docs, p = case or CASES[name]
     q, k, v, grad = _inputs(B, H, Hkv, Sq, Sk, D, dtype, spread)
     pad = None
     if padding:
@@ -143,3 +143,22 @@ def test_bad_softcap_is_a_value_error(bad):
 def test_triton_softcap_against_float64(name, dtype, monkeypatch):
     monkeypatch.setenv("SELECTIVE_CKPT_BACKEND", "triton")
     check(name, dtype)
+
+
+@interpreted
+def test_triton_softcap_whole_tanh_range(monkeypatch):
+    monkeypatch.setenv("SELECTIVE_CKPT_BACKEND", "triton")
+    check("full-cross", torch.float32, cap=1.0, spread=4.0)
+
+
+@interpreted
+def test_triton_softcap_with_the_sm90_tiles(monkeypatch):
+    """The tiles a GPU launch takes (soft-capped dK/dV at D <= 64 takes the smaller one: the kept
+    tanh tile spilled the larger), interpreted, on a shape with ragged last blocks."""
+    from selective_ckpt.triton_kernels import attention as tk
+
+    monkeypatch.setattr(tk, "INTERPRETED", False)
+    monkeypatch.setenv("SELECTIVE_CKPT_BACKEND", "triton")
+    assert tk.config("dkdv", 64, torch.bfloat16, softcap=True)[:2] == (32, 128)
+    assert tk.config("dkdv", 64, torch.bfloat16)[:2] == (64, 128)
+    check("sm90-d64", torch.bfloat16, case=(1, 2, 1, 150, 150, 64, True, 0, False, None, 0.0))
