@@ -47,6 +47,10 @@ def _config(family):
     # a sliding window makes transformers pass SDPA a mask, which on CPU takes the math kernel (S x S
     # probabilities kept); the fit model counts the fused kernels' saved set, as on GPU
     extra = {"sliding_window": None} if "sliding_window" in family.tiny else {}
+    # SDPA refuses soft-capped scores: transformers' side runs SDPA here, which keeps what the capped
+    # eager attention's fused counterpart would (the cap changes no kept bytes of ours)
+    if family.tiny.get("attn_logit_softcapping") is not None:
+        extra["attn_logit_softcapping"] = None
     config = family.config(**{**family.tiny, layers: LAYERS, positions: SEQ, **extra})
     if getattr(config, "layer_types", None):
         # every layer global; the Gemma families build a sliding mask whatever the layers, so they get a

@@ -208,9 +208,14 @@ def eager_mask(attention_mask, query, key, window):
 
 
 def _eager_attention(module, name, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    """The model family's own eager attention (GPT-2: also its upcast-and-reorder variant when configured)."""
+    """The model family's own eager attention, for a call that asks for the attention weights."""
     _warn_once("weights", f"{name}: a call asks for the attention weights; it runs transformers' eager attention, "
                           "which keeps the full attention probabilities (this call only; other calls keep the floor)")
+    return _family_eager(module, name, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def _family_eager(module, name, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """The model family's own eager attention (GPT-2: also its upcast-and-reorder variant when configured)."""
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
         raise ConversionError(f"{name}: attention weights were asked for, but {type(module).__module__} defines no "
@@ -223,6 +228,11 @@ def _eager_attention(module, name, query, key, value, attention_mask, dropout, s
 
 
 def _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
+    """transformers' SDPA attention for the calls our kernels leave to it; soft-capped scores (which SDPA
+    refuses) go to the family's eager attention instead, which caps them as the model defines."""
+    if kwargs.get("softcap") is not None:
+        name = f"{type(module).__name__} (selective_ckpt attention)"
+        return _family_eager(module, name, query, key, value, attention_mask, dropout, scaling, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
@@ -252,7 +262,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     """transformers attention function: (o [B, S, H, D], weights or None). query [B, H, Sq, D], key/value [B, Hkv,
     Sk, D]. Weights come back only from a call that asks for them (computed by transformers' eager attention)."""
     name = f"{type(module).__name__} (selective_ckpt attention)"
-    for unsupported in ("softcap", "position_bias", "s_aux", "sinks"):
+    for unsupported in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
             raise ConversionError(f"{name}: {unsupported} is not supported by selective_ckpt.attention")
     if weights_requested(module, kwargs):
@@ -285,5 +295,6 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     dtype = _compute_dtype(query)
     query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype))
     seed = rng.draw_seed_tensor(query.device) if dropout > 0 else None
-    o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu)
+    o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu,
+                  softcap=kwargs.get("softcap"))
     return o.transpose(1, 2), None

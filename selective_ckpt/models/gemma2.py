@@ -1,9 +1,10 @@
 """Hugging Face Gemma2: (1 + w) RMSNorm, GeGLU (tanh GELU), a norm before and after each block (the
 "sandwich" residual form: four norms a layer, whose post-norms keep o_proj's and down_proj's outputs),
 query_pre_attn_scalar as the attention scale (transformers passes it as `scaling`) and sliding and global
-layers alternating (each attention module's own sliding_window). The final-logit soft-capping
-runs in the fused loss head; attention-logit soft-capping and bidirectional attention are refused before
-anything changes (`check_gemma`)."""
+layers alternating (each attention module's own sliding_window). Attention-logit soft-capping
+(transformers passes the module's attn_logit_softcapping as `softcap`) runs inside the attention kernels,
+the final-logit soft-capping in the fused loss head; bidirectional attention is refused before anything
+changes (`check_gemma`)."""
 
 from .common import ConversionError
 from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, config_shape
@@ -11,16 +12,16 @@ from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, config_shape
 
 def check_gemma(root, name):
     """ConversionError, before any change, for what a Gemma2/Gemma3 config asks that the converted model does
-    not reproduce: bidirectional attention and attention-logit soft-capping. (Final-logit soft-capping runs in
-    the fused loss head: models/loss_head.py.)"""
+    not reproduce: bidirectional attention. (Attention soft-capping runs in the attention kernels, final-logit
+    soft-capping in the fused loss head: models/loss_head.py.)"""
     config = root.config
     if getattr(config, "use_bidirectional_attention", False):
         raise ConversionError(f"{name}: use_bidirectional_attention=True is not supported; selective_ckpt "
                               "attention is causal")
-    for field in ("attn_logit_softcapping",):
-        if getattr(config, field, None) is not None:
-            raise ConversionError(f"{name}: config.{field}={getattr(config, field)} (soft-capping) is not "
-                                  f"supported by the converted kernels; set config.{field}=None to train without it")
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and 0 < cap < float("inf")):
+        raise ConversionError(f"{name}: config.attn_logit_softcapping={cap!r}; the attention kernels soft-cap with a "
+                              "finite number > 0 (or None for none)")
 
 
 def gemma_spec(model_type, prefix, qk_norm=False):

@@ -13,14 +13,58 @@ VOCAB = 97
 
 
 def triple(build, dtype=torch.float32):
-    """(float64 reference, unconverted on SDPA, converted; both in `dtype`) with the same weights."""
+    """(float64 reference, unconverted on SDPA, converted; both in `dtype`) with the same weights. A model
+    that soft-caps its attention scores (which SDPA refuses) runs transformers' eager attention unconverted
+    and REFERENCE_ATTENTION in float64."""
     torch.manual_seed(0)
     ref = build().double().train()
-    ref.config._attn_implementation = "sdpa"  # float64 (SDPA math path; HF eager masks give NaN in float64)
+    ref.config._attn_implementation = reference_attention(ref.config)
     plain = copy.deepcopy(ref).to(dtype)
-    plain.config._attn_implementation = "sdpa"
+    plain.config._attn_implementation = unconverted_attention(plain.config)
     ours = convert(copy.deepcopy(plain))
     return ref, plain, ours
+
+
+REFERENCE_ATTENTION = "float64_reference"
+
+
+def _capped_reference(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """Materialised attention in the inputs' dtype for a float64 reference: soft-capped scores when asked,
+    the bool mask SDPA's builder makes (None: causal), softmax in that dtype, rows attending nothing give 0."""
+    G = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
+    s = (query @ k.transpose(-1, -2)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    Sq, Sk = s.shape[-2:]
+    if attention_mask is None:
+        allowed = torch.ones(Sq, Sk, dtype=torch.bool, device=s.device).tril(Sk - Sq)[None, None]
+    else:
+        allowed = attention_mask.bool()
+    anything = allowed.any(-1, keepdim=True)
+    probs = torch.softmax(torch.where(anything, s.masked_fill(~allowed, float("-inf")), 0.0), -1) * anything
+    return (probs @ v).transpose(1, 2).contiguous(), None
+
+
+def unconverted_attention(config):
+    """The attention an unconverted test model runs: SDPA, or transformers' eager one for soft-capped scores
+    (which SDPA refuses)."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+
+
+def reference_attention(config):
+    """The attention of a float64 reference: SDPA's math path, or _capped_reference for soft-capped scores
+    (transformers' eager masks give NaN in float64)."""
+    return _reference_attention() if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+
+
+def _reference_attention():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(REFERENCE_ATTENTION, _capped_reference)
+    AttentionMaskInterface.register(REFERENCE_ATTENTION, sdpa_mask)
+    return REFERENCE_ATTENTION
 
 
 def batch(b=2, s=19, seed=1, pad_rows=True):

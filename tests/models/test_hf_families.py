@@ -14,7 +14,8 @@ from selective_ckpt.models.configuration import layer_estimate
 from selective_ckpt.registry import recomputable_layers
 from tests.models import hf_checks
 from tests.models.families import collect
-from tests.models.hf_checks import VOCAB, assert_matches_reference, batch, kept_bytes_per_layer, triple
+from tests.models.hf_checks import (VOCAB, assert_matches_reference, batch, kept_bytes_per_layer, triple,
+                                    unconverted_attention)
 
 pytest.importorskip("transformers")
 
@@ -65,7 +66,7 @@ def test_layer_keeps_its_estimate(family):
     def layers(n, converted=True):
         torch.manual_seed(0)
         model = family.build(num_hidden_layers=n)().train()
-        model.config._attn_implementation = "sdpa"
+        model.config._attn_implementation = unconverted_attention(model.config)
         return convert(model) if converted else model
 
     ours = kept_bytes_per_layer(layers, {"input_ids": ids})
@@ -88,7 +89,7 @@ def test_training_follows_the_unconverted_losses(family):
     """20 AdamW steps from the same initialisation and data, fp32: every step's loss within 1e-4 relative."""
     torch.manual_seed(0)
     plain = family.build()().train()
-    plain.config._attn_implementation = "sdpa"
+    plain.config._attn_implementation = unconverted_attention(plain.config)
     ours = convert(copy.deepcopy(plain))
     g = torch.Generator().manual_seed(7)
     data = [torch.randint(0, VOCAB, (2, 17), generator=g) for _ in range(2)] * 10  # two batches to learn

@@ -1,7 +1,7 @@
 """Gemma2 and Gemma3 text specifics: sliding and global layers alternating (with Gemma3's two rope bases)
-against float64, final-logit soft-capping through the fused loss head, and the refusals of what the
-converted model does not reproduce (attention soft-capping, bidirectional attention), raised before
-anything changes."""
+against float64, attention-logit soft-capping in the attention kernels (Gemma2's released defaults
+included), final-logit soft-capping through the fused loss head, and the refusal of what the converted
+model does not reproduce (bidirectional attention), raised before anything changes."""
 
 import pytest
 import torch
@@ -59,7 +59,7 @@ def _untouched(model, attn):
 
 
 @pytest.mark.parametrize("family", SANDWICH, ids=str)
-@pytest.mark.parametrize("field, value", [("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)])
+@pytest.mark.parametrize("field, value", [("use_bidirectional_attention", True), ("attn_logit_softcapping", -1.0)])
 def test_refusals_name_the_setting_and_change_nothing(family, field, value):
     model = family.build(**{field: value})()
     model.config._attn_implementation = "eager"
@@ -69,12 +69,35 @@ def test_refusals_name_the_setting_and_change_nothing(family, field, value):
     assert not recomputable_layers(model)
 
 
-def test_gemma2_default_config_is_refused_for_its_attention_soft_capping():
-    """Gemma2's defaults soft-cap the attention scores (50), which the attention kernels do not reproduce."""
-    config = transformers.Gemma2Config(**{k: v for k, v in SANDWICH[0].tiny.items() if "softcapping" not in k})
-    assert config.attn_logit_softcapping == 50.0 and config.final_logit_softcapping == 30.0
-    with pytest.raises(ConversionError, match="attn_logit_softcapping"):
-        convert(transformers.Gemma2ForCausalLM(config))
+def test_gemma2_released_defaults_convert_and_follow_float64():
+    """Gemma2's defaults soft-cap the attention scores at 50 and the logits at 30: both convert, and the
+    converted model follows the float64 reference (training loss and gradients, padded logits)."""
+    family = SANDWICH[0]
+    config = {k: v for k, v in family.tiny.items() if "softcapping" not in k}
+    assert transformers.Gemma2Config(**config).attn_logit_softcapping == 50.0
+    build = family.build(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    ref, plain, ours = triple(build)
+    ids, mask = batch(s=19)
+    assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+    ids, _ = batch(pad_rows=False)
+    (r, rg), (p, pg), (o, og) = (_loss_and_grads(m, ids) for m in (ref, plain, ours))
+    assert_within_rule(o, p, r, 2, name="loss")
+    for n in rg:
+        assert_within_rule(og[n], pg[n], rg[n], 3, floor=1e-5, name=f"grad {n}")
+
+
+def test_attention_soft_capping_is_applied():
+    """A cap that bends the scores moves Gemma2's converted logits, and the converted model follows float64
+    with and without it (the cap reaches the kernels). Gemma3's attention ignores the config field."""
+    family = SANDWICH[0]
+    ids, mask = batch(s=19)
+    outs = {}
+    for cap in (None, 0.05):
+        ref, plain, ours = triple(family.build(attn_logit_softcapping=cap))
+        assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+        with torch.no_grad():
+            outs[cap] = ours(input_ids=ids, attention_mask=mask).logits
+    assert (outs[None] - outs[0.05]).abs().max() > 1e-3
 
 
 def _loss_and_grads(model, ids):

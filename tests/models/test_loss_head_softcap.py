@@ -11,7 +11,7 @@ import torch
 from selective_ckpt import convert
 from selective_ckpt.models.loss_head import LogitSteps
 from tests.models.families.gemma import FAMILIES
-from tests.models.hf_checks import batch
+from tests.models.hf_checks import batch, reference_attention, unconverted_attention
 from tests.reference import assert_within_rule
 
 transformers = pytest.importorskip("transformers")
@@ -74,8 +74,9 @@ def _check(ref, plain, ours, ids):
 def _triple(dtype, cap):
     torch.manual_seed(0)
     ref = GEMMA2.build(final_logit_softcapping=cap)().double().train()
-    ref.config._attn_implementation = "sdpa"
+    ref.config._attn_implementation = reference_attention(ref.config)
     plain = copy.deepcopy(ref).to(dtype)
+    plain.config._attn_implementation = unconverted_attention(plain.config)
     return ref, plain, convert(copy.deepcopy(plain))
 
 
