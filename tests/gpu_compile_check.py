@@ -232,6 +232,12 @@ def exercise_attention():
                 causal = kw.pop("causal", False)
                 with label(case=case, causal=causal, dropout=p > 0):
                     attention_launch(tk, torch.bfloat16, D, causal, p, **kw)
+    # head dim 256 (Gemma), capped as Gemma 2 is and not, at bf16
+    for causal in (False, True):
+        for p in (0.0, 0.1):
+            for cap in (0.0, 50.0):
+                with label(case="d256", causal=causal, dropout=p > 0):
+                    attention_launch(tk, torch.bfloat16, 256, causal, p, H=8, Hkv=2, softcap=cap)
 
 
 def exercise_dropout():

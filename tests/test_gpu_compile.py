@@ -2,8 +2,8 @@
 specialisation, compiles for sm_90 (Hopper) without a GPU (tests/gpu_compile_check.py): no 16-bit
 configuration spills or has ptxas serialise its wgmma, none needs more shared memory than sm_90
 has, dropout's added main-loop cost stays bounded, and the attention matrix
-(fp16/bf16/fp32 x head dim 64/128/80 x causal x dropout, GQA, window, documents, soft-capping) is
-covered."""
+(fp16/bf16/fp32 x head dim 64/128/80 x causal x dropout, GQA, window, documents, soft-capping; head
+dim 256 at bf16) is covered."""
 
 import json
 import os
@@ -63,6 +63,9 @@ def test_attention_matrix_is_covered_with_launch_alignment(records):
                 for causal in (False, True):
                     for dropout in (False, True):
                         assert (kernel, dtype, d, causal, dropout) in seen
+        for causal in (False, True):
+            for dropout in (False, True):
+                assert (kernel, "bf16", 256, causal, dropout) in seen
     for flag in ("WINDOW", "VARLEN", "HAS_PAD", "SOFTCAP"):
         assert any(r["constexprs"][flag] for r in att), flag
     assert any(not r["constexprs"]["EVEN_M"] for r in att)

@@ -162,3 +162,4 @@ def test_triton_softcap_with_the_sm90_tiles(monkeypatch):
     assert tk.config("dkdv", 64, torch.bfloat16, softcap=True)[:2] == (32, 128)
     assert tk.config("dkdv", 64, torch.bfloat16)[:2] == (64, 128)
     check("sm90-d64", torch.bfloat16, case=(1, 2, 1, 150, 150, 64, True, 0, False, None, 0.0))
+    check("sm90-d256", torch.bfloat16, case=(1, 2, 1, 70, 70, 256, True, 0, False, None, 0.1))

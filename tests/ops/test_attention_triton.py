@@ -111,6 +111,7 @@ TABLE_CASES = {
     "bf16-d128-drop-lean-packed": (1, 2, 2, 128, 128, 128, torch.bfloat16, False, 0, False, None, 0.2, True),
     "fp16-d64-gqa-window-drop-ragged": (1, 4, 2, 200, 200, 64, torch.float16, True, 70, False, None, 0.1, False),
     "bf16-d80-pad-drop-sq-ne-sk": (2, 1, 1, 96, 136, 80, torch.bfloat16, False, 0, True, None, 0.1, False),
+    "bf16-d256-gqa-causal-drop-ragged": (1, 4, 2, 70, 70, 256, torch.bfloat16, True, 0, False, None, 0.1, False),
 }
 
 
