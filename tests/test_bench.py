@@ -136,11 +136,12 @@ def test_quick_run_ratios_and_budget_columns(quick_run):
 
 def test_compiled_row_runs_in_its_own_process_with_its_budget(tmp_path):
     """torch.compile rows: one process per activation_memory_budget, SDPA timed beside them there and
-    printed, the compiled row's time vs sdpa taken to that printed row; progress covers the compiled row."""
+    printed, the compiled row's time vs sdpa taken to that printed row; progress covers the compiled row;
+    --compile-budget reaches the compiled process and the row's label."""
     out = tmp_path / "compiled"
     cmd = [sys.executable, "-m", "selective_ckpt.bench", "--device", "cpu", "--hidden", "32", "--heads", "2",
            "--layers", "1", "--batch", "1", "--seq", "16", "--repeats", "2", "--warmup", "1", "--no-plots",
-           "--rows", "sdpa,sdpa-compile-budget", "--out", str(out)]
+           "--rows", "sdpa,sdpa-compile-budget", "--compile-budget", "0.75", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env() | {"PYTHONWARNINGS": "ignore"}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -149,15 +150,15 @@ def test_compiled_row_runs_in_its_own_process_with_its_budget(tmp_path):
     assert set(rows) == {("sdpa", "main"), ("sdpa-compile-budget", "sdpa-compile-budget"),
                          ("sdpa", "sdpa-compile-budget")}
     compiled, beside = rows[("sdpa-compile-budget", "sdpa-compile-budget")], rows[("sdpa", "sdpa-compile-budget")]
-    assert float(compiled["activation_memory_budget"]) == 0.5
+    assert float(compiled["activation_memory_budget"]) == 0.75
     assert compiled["ratio_base_sdpa"] == "sdpa@sdpa-compile-budget"
     assert float(compiled["time_vs_sdpa"]) == pytest.approx(float(compiled["step_s"]) / float(beside["step_s"]))
     assert int(compiled["kept_bytes_per_layer"]) > 0
-    # a budget of 0.5 may recompute but never keeps more than the eager SDPA layer
+    # a budget below 1 may recompute but never keeps more than the eager SDPA layer
     assert int(compiled["kept_bytes_per_layer"]) <= int(rows[("sdpa", "main")]["kept_bytes_per_layer"])
     label = bench.ROW_LABELS["sdpa"] + " (in the sdpa-compile-budget process)"
     table = proc.stdout.splitlines()
-    compiled_label = re.escape(bench.ROW_LABELS["sdpa-compile-budget"])
+    compiled_label = re.escape("SDPA layer, compile budget 0.75")
     at = next(i for i, line in enumerate(table) if re.match(rf"16 +{compiled_label}  ", line))
     assert label in table[at + 1], table[at: at + 2]  # its SDPA row printed right under it
     assert any(label in line and "time vs sdpa is to that row" in line for line in table)
@@ -182,6 +183,7 @@ def test_help_documents_every_flag():
     (["--seq", "0,128"], "positive ints"),
     (["--budget", "lots"], "--budget must be"),
     (["--budget", "120%"], "percentage"),
+    (["--compile-budget", "1.5"], "in (0, 1]"),
 ])
 def test_bad_flags_are_argparse_errors(argv, match, capsys):
     with pytest.raises(SystemExit) as err:

@@ -12,7 +12,7 @@ Rows, measured in the same run on the same input:
   sdpa             the same layer as users write it today: nn modules around scaled_dot_product_attention
   sdpa-ckpt        that layer under torch.utils.checkpoint(use_reentrant=False), per layer
   sdpa-compile     that layer stack under torch.compile (default settings)
-  sdpa-compile-budget   the same with torch._functorch.config.activation_memory_budget = 0.5
+  sdpa-compile-budget   the same with torch._functorch.config.activation_memory_budget = 0.5 (--compile-budget)
                    (each compiled row runs in a process of its own, with an SDPA layer timed beside it
                    there and printed under it, "SDPA layer (in the ... process)": the compiled row's
                    "time vs sdpa" is to that row; --quick skips them)

@@ -25,7 +25,7 @@ def main(argv):
     if row not in COMPILED_ROWS:
         raise SystemExit(f"row must be one of {', '.join(COMPILED_ROWS)}, got {row!r}")
     cfg = dict(spec, dtype=as_dtype(spec["dtype"]))
-    budget = COMPILED_ROWS[row]
+    budget = spec.get("compile_budget", COMPILED_ROWS[row]) if COMPILED_ROWS[row] is not None else None
     if budget is not None:
         torch._functorch.config.activation_memory_budget = budget
     results = measure(cfg, ["sdpa", row], Progress(0, True, relay=True))

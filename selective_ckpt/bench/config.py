@@ -11,7 +11,8 @@ from .. import memory
 ROWS = ("eager", "eager-ckpt", "eager-sac", "sdpa", "sdpa-ckpt", "sdpa-compile", "sdpa-compile-budget", "none",
         "selective", "full", "selective-compile", "llama-sdpa", "llama-selective")
 # torch.compile rows run in a subprocess each: compiled graphs and the activation_memory_budget are
-# process-wide, so one process measures one budget (docs/DESIGN.md, Known traps).
+# process-wide, so one process measures one budget (docs/DESIGN.md, Known traps). The budget row's
+# value is --compile-budget's (0.5 unless given).
 COMPILED_ROWS = {"sdpa-compile": None, "sdpa-compile-budget": 0.5, "selective-compile": None}
 ROW_LABELS = {
     "eager": "eager (nn.MultiheadAttention)",
@@ -86,6 +87,16 @@ def _row_list(text):
     return rows
 
 
+def _fraction(text):
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return v
+
+
 def _positive(text):
     v = int(text)
     if v < 1:
@@ -143,6 +154,9 @@ def build_parser():
     p.add_argument("--budget", type=parse_budget, default=None,
                    help="memory budget for the max-batch column: bytes (8GiB, 80GB, 12e9) or a percentage of the "
                         f"device's memory (default: 80%% on cuda, {CPU_BUDGET // 2**30}GiB on cpu)")
+    p.add_argument("--compile-budget", type=_fraction, default=COMPILED_ROWS["sdpa-compile-budget"],
+                   help="torch._functorch.config.activation_memory_budget of the sdpa-compile-budget row, in (0, 1]: "
+                        "e.g. the budget at which the compiled SDPA layer keeps what selective-compile keeps")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal attention")
     p.add_argument("--out", default=None,
                    help="folder for results.csv and the PNG plots (default: a new folder per run, "
@@ -174,6 +188,7 @@ def resolve_config(args):
         "rows": list(args.rows or base.get("rows", ROWS)),
         "model_layers": args.model_layers,
         "causal": args.causal,
+        "compile_budget": args.compile_budget,
     }
     if cfg["hidden"] % cfg["heads"]:
         raise SystemExit(f"--hidden ({cfg['hidden']}) must be divisible by --heads ({cfg['heads']})")

@@ -9,7 +9,7 @@ import torch
 
 from .. import memory
 from ..memory.units import columns
-from .config import ROW_LABELS
+from .config import COMPILED_ROWS, ROW_LABELS
 
 
 def _mib(n):
@@ -24,6 +24,9 @@ def row_label(r):
     """The table's name for a result: its row's label; an SDPA row timed in a compiled row's process says so."""
     if r.get("process", "main") != "main" and r["row"] != r["process"]:
         return f"{ROW_LABELS[r['row']]} (in the {r['process']} process)"
+    budget = r.get("activation_memory_budget")
+    if r["row"] == "sdpa-compile-budget" and budget is not None and budget != COMPILED_ROWS[r["row"]]:
+        return f"SDPA layer, compile budget {budget:g}"
     return ROW_LABELS[r["row"]]
 
 
