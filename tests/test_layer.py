@@ -230,6 +230,22 @@ def test_torch_compile_fullgraph_matches_eager():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, i=i: f"{(['y', 'dx'] + NAMES)[i]}: {m}")
 
 
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_torch_compile_keeps_what_eager_keeps(kind):
+    """Under torch.compile (inductor) the selective layer keeps exactly its eager bytes: backward's
+    rebuild of the MLP activation must not be merged with forward's (the partitioner would then keep
+    the activation, 4h more per token for GELU)."""
+    kw = dict(norm="rmsnorm", activation="swiglu", bias=False, num_kv_heads=2, ffn_dim=96) if kind == "swiglu" else {}
+    torch.manual_seed(0)
+    layer = SelectiveDecoderLayer(32, 4, causal=True, recompute="selective", **kw)
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    eager = selective_ckpt.memory.ledger(layer, x).total
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    compiled(x).sum().backward()
+    assert selective_ckpt.memory.graph_saved_bytes(compiled(x), exclude=[layer]) == eager
+
+
 def test_set_recompute():
     stack = torch.nn.Sequential(*[make_layer(16, 2) for _ in range(5)])
     assert set_recompute(stack, "none") == ["none"] * 5

@@ -29,8 +29,7 @@ def gelu_approximation_code(approximate) -> int:
     return check_choice(approximate, "approximate", GELU_APPROXIMATIONS)
 
 
-@torch.library.custom_op("selective_ckpt::gelu", mutates_args=())
-def gelu_op(h: torch.Tensor, approximate: str) -> torch.Tensor:
+def _gelu(h, approximate):
     code = gelu_approximation_code(approximate)
     h = h.contiguous()
     a = torch.empty_like(h)
@@ -39,7 +38,25 @@ def gelu_op(h: torch.Tensor, approximate: str) -> torch.Tensor:
     return a
 
 
+@torch.library.custom_op("selective_ckpt::gelu", mutates_args=())
+def gelu_op(h: torch.Tensor, approximate: str) -> torch.Tensor:
+    return _gelu(h, approximate)
+
+
+# Backward rebuilds the activation through an op of its own name: under torch.compile a second
+# gelu_op(h) would be merged (CSE) with forward's, and the partitioner, which never recomputes a
+# custom op, would then keep the activation for backward instead of h alone.
+@torch.library.custom_op("selective_ckpt::gelu_rebuild", mutates_args=())
+def gelu_rebuild_op(h: torch.Tensor, approximate: str) -> torch.Tensor:
+    return _gelu(h, approximate)
+
+
 @gelu_op.register_fake
+def _(h, approximate):
+    return torch.empty_like(h, memory_format=torch.contiguous_format)
+
+
+@gelu_rebuild_op.register_fake
 def _(h, approximate):
     return torch.empty_like(h, memory_format=torch.contiguous_format)
 
@@ -122,7 +139,7 @@ def mlp_backward(dy, x, h, a_or_None, w1, b1, w2, b2, dropout_p, approximate, se
     db2 = dz.sum(0) if nb2 and b2 is not None else None
     dw2 = None
     if nw2:
-        act = a_or_None.reshape(-1, hidden) if a_or_None is not None else gelu_op(h2, approximate)
+        act = a_or_None.reshape(-1, hidden) if a_or_None is not None else gelu_rebuild_op(h2, approximate)
         dw2 = dz.t() @ act
         del act
 

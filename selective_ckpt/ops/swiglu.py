@@ -38,9 +38,7 @@ def _check_pair(gate, up):
                          f"{up.device} must match")
 
 
-@torch.library.custom_op("selective_ckpt::gated_product", mutates_args=())
-def gated_product_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """a = act(gate) * up."""
+def _gated_product(gate, up, activation):
     code = activation_code(activation)
     _check_pair(gate, up)
     gate, up = gate.contiguous(), up.contiguous()
@@ -50,7 +48,25 @@ def gated_product_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> t
     return a
 
 
+@torch.library.custom_op("selective_ckpt::gated_product", mutates_args=())
+def gated_product_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """a = act(gate) * up."""
+    return _gated_product(gate, up, activation)
+
+
+# Backward's rebuild of a, under a name of its own for the reason of ops/gelu.py's gelu_rebuild_op
+# (torch.compile would merge it with forward's product and keep a).
+@torch.library.custom_op("selective_ckpt::gated_product_rebuild", mutates_args=())
+def gated_product_rebuild_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    return _gated_product(gate, up, activation)
+
+
 @gated_product_op.register_fake
+def _(gate, up, activation):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@gated_product_rebuild_op.register_fake
 def _(gate, up, activation):
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
@@ -161,7 +177,8 @@ def gated_mlp_backward(dy, x, gate, up, a_or_None, w_gate, b_gate, w_up, b_up, w
     db_down = dz.sum(0) if nbd and b_down is not None else None
     dw_down = None
     if nwd:
-        a = a_or_None.reshape(-1, ffn) if a_or_None is not None else gated_product_op(g2, u2, activation)
+        rebuilt = a_or_None is None
+        a = gated_product_rebuild_op(g2, u2, activation) if rebuilt else a_or_None.reshape(-1, ffn)
         dw_down = dz.t() @ a
         del a
 

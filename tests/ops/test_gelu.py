@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from selective_ckpt import gelu_mlp, rng
-from selective_ckpt.ops.gelu import mlp_backward, mlp_forward
+from selective_ckpt.ops.gelu import gelu_op, gelu_rebuild_op, mlp_backward, mlp_forward
 from tests.reference import assert_within_rule
 
 NAMES = ("x", "w1", "b1", "w2", "b2")
@@ -333,6 +333,14 @@ def test_bad_store_flag():
 
 
 # ---- torch.compile ----
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_opcheck(approximate):
+    h = torch.randn(3, 17)
+    for op in (gelu_op, gelu_rebuild_op):  # the rebuild op is forward's under a name of its own
+        torch.library.opcheck(op, (h, approximate))
+    assert torch.equal(gelu_op(h, approximate), gelu_rebuild_op(h, approximate))
+
 
 def test_compiles_fullgraph_on_cpu():
     _, t = make_inputs((2, 6), 8, 16, 4, torch.float32)

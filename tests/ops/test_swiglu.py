@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from selective_ckpt import rng, swiglu_mlp
-from selective_ckpt.ops.swiglu import gated_product, gated_product_backward_op, gated_product_op
+from selective_ckpt.ops.swiglu import (gated_product, gated_product_backward_op, gated_product_op,
+                                      gated_product_rebuild_op)
 from tests.reference import assert_within_rule
 
 NAMES = ("x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
@@ -188,6 +189,7 @@ def test_gated_product_building_block_keeps_gate_and_up(backend):
 def test_opcheck(backend, activation):
     g, u = torch.randn(3, 17), torch.randn(3, 17)
     torch.library.opcheck(gated_product_op, (g, u, activation))
+    torch.library.opcheck(gated_product_rebuild_op, (g, u, activation))
     torch.library.opcheck(gated_product_backward_op, (torch.randn(3, 17), g, u, activation))
 
 
