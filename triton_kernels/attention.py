@@ -46,8 +46,8 @@ def _tiles(kernel, block_d, wide, dropout, lean, softcap):
     # D <= 64 tile and the lean D = 128 dropout tile: capped launches take the small tiles there. The
     # forward takes 8 warps (with 4 the D=64 causal and document variants spilled). D = 256 (Gemma):
     # dK/dV's 64-key tiles spilled 70-200 instructions with or without dropout, 32 x 32 none; dQ with
-    # dropout spilled at 64 x 32 and not at 64 x 16. fp32 uses IEEE dots, which Hopper runs on FMA units with whole
-    # operand rows per thread: only small tiles stay out of local memory there.
+    # dropout spilled at 64 x 32 and not at 64 x 16. fp32 uses IEEE dots, which Hopper runs on FMA
+    # units with whole operand rows per thread: only small tiles stay out of local memory there.
     if wide:
         return (16, 32, 4, 1) if kernel == "dkdv" else (16, 16, 4, 1)
     if kernel == "fwd":
@@ -81,7 +81,7 @@ def _s3(t):
 
 
 def _logit_factors(scale, softcap):
-    """(mult, tanh_in) of attention_common._scores: scale * log2(e) and unused, or with a cap c
+    """(logit_mult, tanh_in) of attention_common._scores: scale * log2(e) and unused, or with a cap c
     c * log2(e) and scale / c."""
     if softcap:
         return softcap * LOG2E, scale / softcap
@@ -93,8 +93,8 @@ def _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, kernel):
     bm, bn, bd, warps, stages = config(kernel, q.shape[3], q.dtype, t16 > 0, lean, bool(softcap))
     return dict(D=q.shape[3], CAUSAL=bool(causal), WINDOW=window > 0, VARLEN=cu_seqlens is not None,
                 HAS_PAD=pad is not None, DROPOUT=t16 > 0, SOFTCAP=bool(softcap), IEEE=q.dtype.itemsize == 4,
-                BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_D=bd, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0, num_warps=warps, num_stages=stages)
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0, num_warps=warps,
+                num_stages=stages)
 
 
 def _common(q, k, key_padding_mask, cu_seqlens, window, seed, t16):

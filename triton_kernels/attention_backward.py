@@ -30,7 +30,7 @@ from .rounding import to_storage
 
 @triton.jit
 def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sdh, sqm, sdm, G, b_lo, b_hi, c0, cols,
-                 dsk, dek, pad, Sq, Sk, window, k0, k1, bh_head, t16, keep_scale, scale_log2, tanh_in,
+                 dsk, dek, pad, Sq, Sk, window, k0, k1, bh_head, t16, keep_scale, logit_mult, tanh_in,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                  HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr,
@@ -60,7 +60,7 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
         else:
             lse = tl.load(lse_base + rows)
             delta = tl.load(delta_base + rows)
-        st, tt = _scores(_dot(kb, tl.trans(q), IEEE), scale_log2, tanh_in, SOFTCAP)
+        st, tt = _scores(_dot(kb, tl.trans(q), IEEE), logit_mult, tanh_in, SOFTCAP)
         pt = tl.exp2(st - (lse * 1.4426950408889634)[None, :])
         if MASKED or HAS_PAD:
             # dsk/dek are the keys' document bounds: i shares j's document iff dsk <= i < dek.
@@ -88,7 +88,7 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
                      sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-                     H, G, Sq, Sk, window, n_docs, doc_bits, scale, scale_log2, tanh_in, t16, keep_scale,
+                     H, G, Sq, Sk, window, n_docs, doc_bits, scale, logit_mult, tanh_in, t16, keep_scale,
                      D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                      HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -142,7 +142,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     h0 = kvh * G  # the group's first query head; its G heads are reduced in order (deterministic)
     args = (Q + b * sqb + h0 * sqh, DO + b * sdb + h0 * sdh, (b * H + h0) * Sq, DELTA, LSE, sqh, sdh, sqm, sdm, G)
-    rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, k0, k1, b * H + h0, t16, keep_scale, scale_log2, tanh_in)
+    rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, k0, k1, b * H + h0, t16, keep_scale, logit_mult, tanh_in)
     # With dropout the loop is always split too (its edge ranges are then empty): as one loop, with the
     # dK/dV dots in flight across iterations and the keep flags changing layout inside it, ptxas
     # serialises every wgmma (C7515; n_wgmma_serialized in tests/gpu_compile_check.py).
@@ -164,7 +164,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows, ds, de, pad_base,
-               Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2, tanh_in,
+               Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult, tanh_in,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr,
@@ -180,7 +180,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0,
             cols = start + tl.arange(0, BLOCK_N)
         kb = _load_rows(k_base, cols, skn, Sk, dims, D, CHECK, EVEN_D)
         vb = _load_rows(v_base, cols, svn, Sk, dims, D, CHECK, EVEN_D)
-        s, t = _scores(_dot(q, tl.trans(kb), IEEE), scale_log2, tanh_in, SOFTCAP)
+        s, t = _scores(_dot(q, tl.trans(kb), IEEE), logit_mult, tanh_in, SOFTCAP)
         p = tl.exp2(s - lse2[:, None])
         if MASKED or HAS_PAD:
             pad = 1
@@ -204,7 +204,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0,
 @triton.jit(do_not_specialize=["window", "n_docs", "doc_bits", "t16"])
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
                    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
-                   H, G, Sq, Sk, window, n_docs, doc_bits, scale, scale_log2, tanh_in, t16, keep_scale,
+                   H, G, Sq, Sk, window, n_docs, doc_bits, scale, logit_mult, tanh_in, t16, keep_scale,
                    D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                    HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -227,7 +227,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     args = (q, do, lse2, delta, k_base, v_base, skn, svn)
-    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2, tanh_in)
+    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult, tanh_in)
     if CAUSAL or WINDOW or VARLEN or not EVEN_N:
         dq = _dq_blocks(dq, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
                         BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)

@@ -38,15 +38,15 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(qk, mult, tanh_in, SOFTCAP: tl.constexpr):
+def _scores(qk, logit_mult, tanh_in, SOFTCAP: tl.constexpr):
     """Base-2 logits of a tile of score products q.k, and with SOFTCAP the tanh they went through
-    (backward's 1 - t^2). Plain: qk * scale * log2(e), mult being scale * log2(e). Capped at c:
-    c * tanh(qk * scale / c) * log2(e), mult being c * log2(e) and tanh_in scale / c."""
+    (backward's 1 - t^2). Plain: qk * scale * log2(e), logit_mult being scale * log2(e). Capped at c:
+    c * tanh(qk * scale / c) * log2(e), logit_mult being c * log2(e) and tanh_in scale / c."""
     if SOFTCAP:
         t = _tanh(qk * tanh_in)
-        return t * mult, t
+        return t * logit_mult, t
     else:
-        return qk * mult, qk
+        return qk * logit_mult, qk
 
 
 @triton.jit

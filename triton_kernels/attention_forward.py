@@ -14,7 +14,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows, ds, de, pad_base,
-                Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2, tanh_in,
+                Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult, tanh_in,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                 HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr,
@@ -30,7 +30,7 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
         start = blk * BLOCK_N
         cols = start + offs
         kb = _load_rows(k_base + start.to(tl.int64) * skn, offs, skn, Sk - start, dims, D, CHECK, EVEN_D)
-        s, _ = _scores(_dot(q, tl.trans(kb), IEEE), scale_log2, tanh_in, SOFTCAP)
+        s, _ = _scores(_dot(q, tl.trans(kb), IEEE), logit_mult, tanh_in, SOFTCAP)
         if MASKED or HAS_PAD:
             pad = 1
             if HAS_PAD:
@@ -54,7 +54,7 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
 
 @triton.jit(do_not_specialize=["window", "n_docs", "doc_bits", "t16"])
 def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-                H, G, Sq, Sk, window, n_docs, doc_bits, scale_log2, tanh_in, t16, keep_scale,
+                H, G, Sq, Sk, window, n_docs, doc_bits, logit_mult, tanh_in, t16, keep_scale,
                 D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                 HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -71,7 +71,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     args = (q, k_base, v_base, skn, svn)
-    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, scale_log2, tanh_in)
+    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult, tanh_in)
     if CAUSAL or WINDOW or VARLEN or not EVEN_N:
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
                                     DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)

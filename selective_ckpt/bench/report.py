@@ -9,7 +9,7 @@ import torch
 
 from .. import memory
 from ..memory.units import columns
-from .config import COMPILED_ROWS, ROW_LABELS
+from .config import ROW_LABELS
 
 
 def _mib(n):
@@ -24,9 +24,8 @@ def row_label(r):
     """The table's name for a result: its row's label; an SDPA row timed in a compiled row's process says so."""
     if r.get("process", "main") != "main" and r["row"] != r["process"]:
         return f"{ROW_LABELS[r['row']]} (in the {r['process']} process)"
-    budget = r.get("activation_memory_budget")
-    if r["row"] == "sdpa-compile-budget" and budget is not None and budget != COMPILED_ROWS[r["row"]]:
-        return f"SDPA layer, compile budget {budget:g}"
+    if r["row"] == "sdpa-compile-budget" and r.get("activation_memory_budget") is not None:
+        return f"SDPA layer, compile budget {r['activation_memory_budget']:g}"  # --compile-budget's value
     return ROW_LABELS[r["row"]]
 
 
@@ -59,10 +58,11 @@ def ratio_legend(results):
              f"time vs sdpa to '{ROW_LABELS['sdpa']}', time vs none to '{ROW_LABELS['none']}'"]
     if any(r.startswith("llama") for r in rows):
         lines.append(f"Llama rows: kept/time vs eager and time vs sdpa are to '{ROW_LABELS['llama-sdpa']}'")
+    compiled = {r["row"]: row_label(r) for r in results if r.get("process", "main") == r["row"]}
     for process in sorted({r["process"] for r in results if r.get("process", "main") != "main"}):
-        lines.append(f"'{ROW_LABELS[process]}' ran in a process of its own (one compile budget per process), beside "
-                     f"an SDPA layer timed there ('{ROW_LABELS['sdpa']} (in the {process} process)'): its time vs sdpa "
-                     f"is to that row; its other ratios are to rows of the main process")
+        lines.append(f"'{compiled.get(process, ROW_LABELS[process])}' ran in a process of its own (one compile "
+                     f"budget per process), beside an SDPA layer timed there ('{ROW_LABELS['sdpa']} (in the {process} "
+                     f"process)'): its time vs sdpa is to that row; its other ratios are to rows of the main process")
     return lines
 
 

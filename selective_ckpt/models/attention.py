@@ -218,8 +218,9 @@ def _family_eager(module, name, query, key, value, attention_mask, dropout, scal
     """The model family's own eager attention (GPT-2: also its upcast-and-reorder variant when configured)."""
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
-        raise ConversionError(f"{name}: attention weights were asked for, but {type(module).__module__} defines no "
-                              "eager_attention_forward to compute them with")
+        raise ConversionError(f"{name}: this call needs transformers' eager attention (attention weights asked for, "
+                              f"or soft-capped scores outside our kernels), but {type(module).__module__} defines no "
+                              "eager_attention_forward")
     mask = eager_mask(attention_mask, query, key, kwargs.get("sliding_window"))
     if getattr(module, "reorder_and_upcast_attn", False) and hasattr(module, "_upcast_and_reordered_attn"):
         return module._upcast_and_reordered_attn(query, key, value, mask)

@@ -177,8 +177,7 @@ def gated_mlp_backward(dy, x, gate, up, a_or_None, w_gate, b_gate, w_up, b_up, w
     db_down = dz.sum(0) if nbd and b_down is not None else None
     dw_down = None
     if nwd:
-        rebuilt = a_or_None is None
-        a = gated_product_rebuild_op(g2, u2, activation) if rebuilt else a_or_None.reshape(-1, ffn)
+        a = a_or_None.reshape(-1, ffn) if a_or_None is not None else gated_product_rebuild_op(g2, u2, activation)
         dw_down = dz.t() @ a
         del a
 
