@@ -18,7 +18,7 @@ from torch import nn
 from ..activations import elementwise_problem, kernel_activation
 from ..registry import recomputable_layers
 from ..validation import NORMS
-from . import attention, loss_head
+from . import attention, hub_kernels, loss_head
 from .common import ConversionError, announce_modes, convert_decoder_layer
 from .patches import (
     dropout_forward,
@@ -282,6 +282,7 @@ def apply(root, layers, patches, mode, spec):
     root.config._attn_implementation = attention.NAME
     for module, forward in patches:
         patch_forward(module, forward)
+    hub_kernels.keep_patches(root)
     names = {id(m): n for n, m in root.named_modules()}
     for layer in layers:
         convert_decoder_layer(layer, mode, functools.partial(spec.shape, config=root.config, spec=spec),

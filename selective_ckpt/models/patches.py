@@ -18,6 +18,7 @@ from ..ops.rms_norm import rms_norm_apply, rms_norm_fwd
 from ..ops.swiglu import gated_product, gated_product_op
 
 PATCHED = "_selective_ckpt_forward"  # attribute marking a patched module (holds the original forward)
+PATCH = "_selective_ckpt_patch"  # the patched forward itself, so that it can be put back (models/hub_kernels.py)
 
 
 def patch_forward(module, forward):
@@ -28,6 +29,19 @@ def patch_forward(module, forward):
     if getattr(module, PATCHED, None) is None:
         setattr(module, PATCHED, module.forward)
     module.forward = BoundForward(forward, module)
+    module.__dict__[PATCH] = module.forward
+
+
+def restore_patches(root):
+    """Puts back the patched forward of every module under `root` whose forward was replaced since it was
+    patched (transformers' hub-kernel kernelization replaces or drops instance forwards); returns their names."""
+    restored = []
+    for name, module in root.named_modules():
+        patch = module.__dict__.get(PATCH)
+        if patch is not None and module.__dict__.get("forward") is not patch:
+            module.forward = patch
+            restored.append(name or type(module).__name__)
+    return restored
 
 
 # --- LayerNorm (GPT-2): the fused kernel keeps x, mean, rstd; the output is rebuilt from them.

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .common import ConversionError
-from .patches import PATCHED, dropout_forward, patch_forward
+from .patches import PATCHED, dropout_forward, patch_forward, restore_patches
 
 # Module classes a converted layer may hold whose saved tensors the recompute scope handles: the
 # families' own blocks are checked by their plans; these are the consumers found inside them.
@@ -97,7 +97,12 @@ def unknown_modules(layer):
 
 
 def check_layer(layer, layer_name, state):
-    """Patches LoRA dropouts added since the last check and warns once about unknown modules."""
+    """Puts back patched forwards something replaced (`kernels.kernelize` called on the model after convert),
+    patches LoRA dropouts added since the last check and warns once about unknown modules."""
+    restored = restore_patches(layer)
+    if restored:
+        warnings.warn(f"selective_ckpt: {layer_name}: the forwards of {', '.join(restored)} were replaced after "
+                      "convert (hub kernels' kernelize?); the converted forwards are put back", stacklevel=3)
     signature = sum(1 for _ in layer.modules())
     if state.checked == signature:
         return
