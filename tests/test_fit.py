@@ -155,7 +155,7 @@ KNOWN_MISSES = {
     ("cohere", "qlora nf4", "transformers"): _LORA_BWD,
     ("gpt_neox", "lora fp32", "transformers"): _LORA_BWD,
     ("gpt_neox", "qlora nf4", "transformers"): _LORA_BWD,
-    ("gpt2", "lora bf16 autocast", "transformers"): _LORA_BWD,  # 1.052 with transformers 5.25
+    ("gpt2", "lora bf16 autocast", "transformers"): _LORA_BWD,
     ("gpt_neox", "lora bf16 autocast", "ours selective"): _PARALLEL,
     ("gpt_neox-sequential", "lora bf16 autocast", "ours selective"): _PARALLEL,
     ("gpt2", "full bf16 autocast", "transformers"): "GPT-2's Conv1D under autocast: addmm's casts are not "
@@ -165,13 +165,17 @@ KNOWN_MISSES = {
     ("gpt2", "qlora nf4", "ours selective"): _GPT2_LORA,
 }
 
+# misses at the edge, whose side of 5 % depends on the CPU's bf16 kernels: 1.052 in an earlier run (CPU not
+# recorded), 1.046 on an AMD EPYC with AVX512_BF16 (transformers 5.25)
+BORDERLINE = {("gpt2", "lora bf16 autocast", "transformers")}
+
 
 @pytest.mark.parametrize("variant", ("transformers", "ours selective"))
 @pytest.mark.parametrize("family, form", CASES, ids=lambda x: str(x))
 def test_predicted_peak_within_5_percent(family, form, variant, request, tmp_path, record_property):
     miss = KNOWN_MISSES.get((str(family), form, variant))
     if miss:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=miss))
+        request.applymarker(pytest.mark.xfail(strict=(str(family), form, variant) not in BORDERLINE, reason=miss))
     config = _config(family)
     training = FORMS[form](family)
     if family.name in NOT_MODELLED:
