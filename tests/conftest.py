@@ -13,6 +13,17 @@ if not torch.cuda.is_available():
 
 HAS_CUDA = torch.cuda.is_available()
 BACKEND_ENV = "SELECTIVE_CKPT_BACKEND"
+# SELECTIVE_CKPT_TEST_ISA=avx512 (or avx2, generic, ...) runs the whole suite on that C++ attention variant, as on
+# a CPU that has no better one (bf16 rounding differs between the dot-product and the float paths)
+ISA_ENV = "SELECTIVE_CKPT_TEST_ISA"
+
+
+def pytest_configure(config):
+    isa = os.environ.get(ISA_ENV)
+    if isa:
+        from selective_ckpt import _C
+
+        _C.attention_use_isa(isa)
 
 
 def pytest_collection_modifyitems(config, items):
