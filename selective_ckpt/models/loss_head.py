@@ -95,6 +95,7 @@ class _HeadCapture:
     def __init__(self, model):
         self.model = model
         self.head = model.lm_head
+        self.linear = _plain_linear(self.head)  # read before the capture replaces the head's forward
         self.hidden = self.placeholder = None
         self.loss_computed = False
 
@@ -142,7 +143,7 @@ class _HeadCapture:
             raise ValueError(f"Expected input batch_size ({flat.shape[0]}) to match target batch_size "
                              f"({shift_labels.shape[0]}): the hidden states kept by logits_to_keep do not line up "
                              "with the labels")
-        linear = _plain_linear(self.head)
+        linear = self.linear
         if linear is not None:
             if linear.out_features != vocab_size:
                 raise ValueError(f"lm_head has {linear.out_features} outputs, config.vocab_size is {vocab_size}")

@@ -1,7 +1,8 @@
 """Every Hugging Face family convert() supports, each through the same checks (tests/models/families):
 the rule against float64 (padded and not), bf16, state dict and save/load both ways, greedy generate,
-LoRA before and after convert, packed documents, bytes kept per layer equal to the estimate, the
-classification heads, and a 20-step AdamW run that follows the unconverted model's losses.
+LoRA before and after convert, packed documents, bytes kept per layer equal to the estimate, no matmul
+run twice in a training step, the classification heads, and a 20-step AdamW run that follows the
+unconverted model's losses.
 """
 
 import copy
@@ -33,6 +34,26 @@ def test_bfloat16_within_the_rule(family):
     ref, plain, ours = triple(family.build(), torch.bfloat16)
     ids, mask = batch()
     assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+
+
+@every_family
+def test_no_matmul_is_repeated(family):
+    """A converted training step (forward, loss with labels, backward) runs the Linear layers' and the loss
+    head's matmuls exactly as often as transformers' does: the recompute rebuilds elementwise results only.
+    torch.utils.flop_counter counts aten.mm and aten.addmm (attention's own products are not compared:
+    transformers' eager attention, which capped Gemma2 runs, does them as bmm)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _, plain, ours = triple(family.build())
+    ids, _ = batch(pad_rows=False)
+    flops = []
+    for model in (plain, ours):
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=ids, labels=ids).loss.backward()
+        counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+        flops.append({k: counts.get(k, 0) for k in ("aten.mm", "aten.addmm")})
+    assert flops[0]["aten.mm"] > 0
+    assert flops[1] == flops[0]
 
 
 @every_family
