@@ -37,6 +37,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .storages import PLAIN_TENSOR_TYPES, storage_id
+
 _state = threading.local()
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -78,22 +80,20 @@ def _cast(x, dtype):
 
 
 def _key(t):
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+    """The storage a plain strided tensor lives in (storages.storage_id); None for subclasses, which are kept."""
+    if type(t) not in PLAIN_TENSOR_TYPES or t.layout != torch.strided:
         return None
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without a storage
-        return None
+    return storage_id(t)
 
 
 class _Scope:
     def __init__(self, observer):
-        self.outputs = {}  # storage data_ptr -> (y, version at registration, _Rebuild)
-        self.casts = {}  # storage data_ptr -> (weakref to the cast, weakref to its root, root version, dtypes)
+        self.outputs = {}  # storage_id -> (y, version at registration, _Rebuild)
+        self.casts = {}  # storage_id -> (weakref to the cast, weakref to its root, root version, dtypes)
         self.observer = observer  # the observing context's pack (memory.ledger), or None
 
     def register(self, y, rebuild):
-        self.outputs[y.untyped_storage().data_ptr()] = (y, y._version, rebuild)
+        self.outputs[_key(y)] = (y, y._version, rebuild)
 
     def view_of(self, t):
         """A _View reading t back from a registered output, or None."""
@@ -171,7 +171,7 @@ class _CastWatcher(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is _TO_COPY and type(out) is torch.Tensor and args and isinstance(args[0], torch.Tensor):
+        if func is _TO_COPY and type(out) in PLAIN_TENSOR_TYPES and args and isinstance(args[0], torch.Tensor):
             if out.dtype != args[0].dtype:
                 self.scope.note_cast(args[0], out)
         return out

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import recompute
+from ..storages import storage_id
 from ..registry import state_of
 from .units import columns, format_bytes
 
@@ -90,14 +91,12 @@ def _default_layer_types():
 
 
 def storage_key(t):
-    try:
-        st = t.untyped_storage()
-        ptr, nbytes = st.data_ptr(), st.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):  # no plain storage (subclass, sparse)
+    """(key, bytes) of t's storage: views of one storage share a key (storages.storage_id); a tensor without a
+    storage is its own key."""
+    sid = storage_id(t)
+    if sid is None:  # no plain storage (subclass, sparse)
         return ("id", id(t)), t.numel() * t.element_size()
-    if ptr == 0:  # meta or empty: no address to share
-        return ("id", id(t)), nbytes
-    return (t.device.type, t.device.index, ptr), nbytes
+    return ("storage", sid), t.untyped_storage().nbytes()
 
 
 class _Producers(torch.utils._python_dispatch.TorchDispatchMode):
@@ -213,7 +212,7 @@ class _Recorder:
 def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), track_ops=True, **kwargs) -> LedgerReport:
     """Run `fn_or_module(*inputs, **kwargs)` once with grad enabled and report what it keeps for backward.
 
-    Counting is by distinct storage (`untyped_storage().data_ptr()`), so q, k and v saved as views
+    Counting is by distinct storage (`storages.storage_id`), so q, k and v saved as views
     of one qkv buffer count once, at the buffer's size. Parameters and buffers of every module that
     runs are excluded (and anything in `exclude`: modules or tensors). Inputs count when they are
     saved (a LayerNorm keeps its input). Each entry names the innermost module running when the

@@ -26,6 +26,7 @@ import torch
 
 from .. import rng
 from ..ops.attention import attention
+from ..storages import storage_bytes, storage_id
 from .common import ConversionError
 
 NAME = "selective_ckpt"
@@ -239,10 +240,6 @@ def _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling,
                                   is_causal=is_causal, **kwargs)
 
 
-def _storage(t):
-    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-
-
 def _own_buffers(query, key, value):
     """q, k, v as attention keeps them: one that is a view into a larger buffer none of the others keeps
     alive (GPT-NeoX's packed query_key_value output, of which RoPE made new q and k and only v is still a
@@ -250,7 +247,7 @@ def _own_buffers(query, key, value):
     if not torch.is_grad_enabled():
         return query, key, value
     out = [query, key, value]
-    storages = [_storage(t) for t in out]
+    storages = [(storage_id(t), storage_bytes(t)) for t in out]
     for i, t in enumerate(out):
         shared = any(storages[j][0] == storages[i][0] for j in range(3) if j != i)
         if not shared and storages[i][1] > t.numel() * t.element_size():

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.cross_entropy import check_labels, chunk_rows, linear_cross_entropy, logits_cross_entropy
+from ..storages import is_fake
 from .patches import PATCHED, patch_forward
 
 HEAD_CLASS_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -114,6 +115,9 @@ class _HeadCapture:
                 vars(obj).pop(name, None)
             else:
                 setattr(obj, name, saved)
+        # the placeholder refers back to this capture: without this the final hidden states stayed alive in that
+        # reference cycle after the step, until the garbage collector ran
+        self.hidden = self.placeholder = None
         return False
 
     def _intercept(self, hidden_states, *args, **kwargs):
@@ -122,8 +126,7 @@ class _HeadCapture:
                                "training forward with labels; the fused loss head cannot stand in for it")
         self.hidden = hidden_states
         vocab = self.model.config.vocab_size
-        self.placeholder = LogitSteps.wrap(hidden_states.new_empty(()).expand(*hidden_states.shape[:-1], vocab),
-                                           self, ())
+        self.placeholder = LogitSteps.wrap(_expanded_empty(hidden_states, (*hidden_states.shape[:-1], vocab)), self, ())
         return self.placeholder
 
     def _loss(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
@@ -160,6 +163,18 @@ class _HeadCapture:
             return tuple(x for x in out if not isinstance(x, LogitSteps))
         fields = {k: v for k, v in out.items() if not isinstance(v, LogitSteps)}
         return type(out)(**fields)
+
+
+def _expanded_empty(t, shape):
+    """One element of t's dtype expanded to `shape` (no memory), for the placeholder: on t's device, or on the
+    meta device for a fake t (a tensor subclass cannot wrap a FakeTensor; selective_ckpt.fit simulates steps
+    on fake tensors)."""
+    if not is_fake(t):
+        return t.new_empty(()).expand(*shape)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.empty((), dtype=t.dtype, device="meta").expand(*shape)
 
 
 class LogitSteps(torch.Tensor):

@@ -22,6 +22,7 @@ import torch
 
 from .. import backend
 from ..double_backward import first_order_only
+from ..storages import is_fake
 from ..validation import check_choice, check_floating, check_linear, check_positive_int
 from .layer_norm import stat_dtype
 
@@ -169,7 +170,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             dx, dw, db = ctx.kept
             ctx.kept.clear()
-            if grad.device.type != "cpu" or grad.item() != 1.0:  # skipped on CPU only: no host sync on GPU
+            # skipped on CPU only, where reading grad costs no host sync (a fake grad has no value to read)
+            if grad.device.type != "cpu" or is_fake(grad) or grad.item() != 1.0:
                 for g in (dx, dw, db):
                     if g is not None:
                         g.mul_(grad)  # a 0-dim float32 factor: applied in float32, rounded once
@@ -227,6 +229,8 @@ def check_labels(labels, vocab, ignore_index):
     """labels as int64, each in [0, vocab) or equal to ignore_index (F.cross_entropy fails on others too;
     a kernel would read past the row). One host sync on a GPU."""
     labels = labels.long()
+    if is_fake(labels):  # no values to check (selective_ckpt.fit's simulated step)
+        return labels
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bad.any():
         raise ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); got "
