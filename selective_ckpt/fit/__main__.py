@@ -1,4 +1,6 @@
-"""python -m selective_ckpt.fit CONFIG --gpu 80GB [--batch 1] [--seq-len N|max] [--form full|lora|qlora] ..."""
+"""python -m selective_ckpt.fit CONFIG --gpu 80GB [--batch 1] [--seq-len N|max] [--form full|lora|qlora] ...
+
+Prints the projection of fit.fit (arithmetic.py) by part and variant; a bad argument is one line on stderr, exit 2."""
 
 import argparse
 import re
@@ -30,11 +32,12 @@ def main(argv=None):
     p.add_argument("--autocast", default=None, help="autocast dtype (bfloat16, float16), or none")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--targets", default=",".join(ALL_LINEAR), help="comma-separated LoRA target modules")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="PEFT's lora_dropout (e.g. 0.05)")
     a = p.parse_args(argv)
     try:
         seq_len = a.seq_len if a.seq_len == "max" else int(a.seq_len)
         form = TrainingForm(a.form, a.weights, None if a.autocast in (None, "none") else a.autocast, a.rank,
-                            tuple(t for t in a.targets.split(",") if t))
+                            tuple(t for t in a.targets.split(",") if t), a.lora_dropout)
         print(report(fit(a.config, parse_bytes(a.gpu), a.batch, seq_len, form)))
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)

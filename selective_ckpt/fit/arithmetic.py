@@ -1,59 +1,61 @@
-"""The step's peak, by part, from a config: weights, gradients, AdamW state, activations kept per layer,
-the loss head, the largest transient of one layer's backward, and the caching allocator's share.
+"""The step's peak, by part, for any number of layers and any context, from simulated 1- and 2-layer steps.
 
-Memory model (one steady-state step: forward, backward, optimizer step, with the optimizer state already
-allocated and gradients set to None before the step):
+Each variant (transformers' model as it trains by default, with gradient checkpointing, and converted in each
+recompute mode) is simulated at full width on fake tensors (simulate.py) with one and with two decoder
+layers. What a step holds in each phase, over the weights and the optimizer state, grows with the layer count
+in a known way: the forward of layer j holds the kept bytes k of the j layers before it; the head and the loss
+hold all L layers' k; the backward of layer j holds the k of the layers below it and the gradients g of the
+trained weights above it; the optimizer step holds every gradient. So with a 1-layer step's phases and k and
+g from the 2-layer one, a model of L layers (each in its own recompute mode, for a per-layer plan) is
 
-    peak = weights + optimizer state + max(forward end, first layer's backward, optimizer step)
-    forward end          = L * kept per layer + kept outside the layers (loss head included) + head transient
-    loss backward        = the same + transformers' t x V float32 loss gradients (ours formed them in forward)
-    first layer backward = L * kept per layer + head gradients + one layer's backward transient
-    last layer backward  = all gradients + one layer's backward transient
-    optimizer step       = all gradients + AdamW's temporaries (two of the largest trained tensor)
+    peak = weights + optimizer state + max(forward of layer j, head, loss backward, backward of layer j,
+                                           optimizer step)
 
-transformers' layers are counted by a forward of the model on the meta device (meta.py), ours by
-memory.estimate through the family's spec (the same numbers the ledger tests hold the layers to).
+Every term is linear in the context as well (fused attention keeps O(S) per layer; ours' loss head works in
+chunks of fixed size once there are more tokens than a chunk), so two simulated contexts give the longest
+context that fits.
 """
 
+import contextlib
 import dataclasses
 import functools
-import math
 
 import torch
 
-from ..memory.estimate import LoRA, estimate, loss_head_estimate
 from ..validation import check_positive_int
-from . import meta
+from . import simulate
 from .forms import TrainingForm
 
 VARIANTS = ("transformers", "transformers + gradient checkpointing", "ours none", "ours selective", "ours full",
             "ours plan")
-QLORA_BLOCK = 64  # NF4 block size: one float32 absmax per 64 weights (no double quantization)
+_SIMULATED = {"transformers": "transformers", "transformers + gradient checkpointing": "checkpointing",
+              "ours none": "none", "ours selective": "selective", "ours full": "full"}
 ALLOCATOR_SHARE = 0.05  # the caching allocator's rounding and fragmentation, as a share of the peak
 
 NOT_MODELLED = (
     "CUDA context and kernel workspaces (cuBLAS, the fused attention's scratch): outside the caching allocator",
     "the caching allocator's fragmentation beyond a flat 5 % share",
-    "mixture-of-experts routing (data-dependent expert loads): such models raise",
+    "mixture-of-experts routing: the routed rows are split evenly between the experts where the split matters (what "
+    "each layer keeps does not depend on it, the busiest expert's transients do); the experts run the "
+    "implementation the config names, else grouped_mm (from_pretrained's choice where torch has grouped matmuls)",
     "data-loader, pinned and host memory; distributed (ZeRO/FSDP) sharding",
-    "a masked attention call on CPU (padding, sliding windows) takes SDPA's math kernel, which keeps S x S "
-    "probabilities; the fused kernels' saved set (GPU) is what is counted",
-    "QLoRA bases are NF4 with one float32 absmax per 64 weights (no double quantization)",
+    "the step is simulated with PyTorch's CPU kernels: attention keeps what CPU SDPA's fused kernel keeps (q, k, "
+    "v, output, logsumexp, the mask when there is one), as the GPU's flash and memory-efficient kernels do",
+    "QLoRA bases are NF4 with one float32 absmax per 64 weights and bf16 compute (no double quantization)",
+    "gradient checkpointing is transformers' with torch.utils.checkpoint(use_reentrant=False)",
 )
-
-
-def _size(dtype):
-    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclasses.dataclass
 class Variant:
+    """One variant's step at the fit's context: `peak` (bytes, without the allocator's share) and `phases`
+    (phase -> bytes held over weights and optimizer state), and the parts the report prints."""
+
     name: str
-    kept_per_layer: int
-    kept_outside: int
-    head_transient: int
-    layer_transient: int
-    forward_transient: int = 0  # the last layer's forward over what the layers keep, KV cache included
+    kept_per_layer: int = 0
+    kept_outside: int = 0
+    head_transient: int = 0
+    layer_transient: int = 0
     peak: int = 0
     phases: dict = dataclasses.field(default_factory=dict)
     modes: list = None
@@ -81,320 +83,200 @@ class Fit:
         return v.error is None and v.peak * (1 + ALLOCATOR_SHARE) <= self.gpu_bytes
 
 
+@dataclasses.dataclass
+class _Layered:
+    """A variant's simulated 1- and 2-layer steps, read as the terms of the L-layer step."""
+
+    one: simulate.Step
+    two: simulate.Step
+
+    def _line(self, field):
+        a, b = getattr(self.one, field), getattr(self.two, field)
+        return lambda L: a + (L - 1) * (b - a)
+
+    @property
+    def kept(self):
+        """Bytes one decoder layer keeps for backward."""
+        return self.two.forward_end - self.one.forward_end
+
+    @property
+    def grads_per_layer(self):
+        return self.two.grads - self.one.grads
+
+    def most(self, phase, two=False):
+        return (self.two if two else self.one).phases[phase][1]
+
+    def transient(self, phase):
+        start, most = self.one.phases[phase]
+        return most - start
+
+
 class _Model:
-    """What does not depend on the context: parameters by part, the layer's shape for our estimate."""
+    """What does not depend on the layer count: the config, the form, simulated steps by context."""
 
     def __init__(self, config, form):
-        if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
-            raise ValueError(f"config: model type {config.model_type!r} is a mixture of experts "
-                             "(num_local_experts / num_experts); its routing is data-dependent and not modelled")
         self.config, self.form = config, form
-        self._kept = {}
         self.num_layers = config.num_hidden_layers
-        self.models = {n: meta.build(config, n, form) for n in (1, 2)}
-        w = {n: self._params(m) for n, m in self.models.items()}
-        per_layer = {k: w[2][k] - w[1][k] for k in w[1]}
-        outside = {k: w[1][k] - per_layer[k] for k in w[1]}
-        L = self.num_layers
-        self.weights = outside["weights"] + L * per_layer["weights"]
-        self.grads = outside["grads"] + L * per_layer["grads"]
-        self.grad_tensors = outside["tensors"] + L * per_layer["tensors"]
-        self.head_grads = self._head_grad_bytes()
-        self.largest_trained = w[1]["largest"]
-        self.optimizer = 2 * self.grads + 4 * self.grad_tensors  # exp_avg, exp_avg_sq; a float32 step each
+        self._steps = {}
 
-    def _params(self, model):
-        out = {"weights": 0, "grads": 0, "tensors": 0, "largest": 0}
-        # bitsandbytes quantizes every Linear but the output head; embeddings and norms stay float
-        kept_float = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-        kept_float |= {id(p) for p in self._root(model).get_output_embeddings().parameters()}
-        for name, p in model.named_parameters():
-            n = p.numel() * p.element_size()
-            if self.form.kind == "qlora" and p.dim() == 2 and id(p) not in kept_float and "lora_" not in name:
-                n = p.numel() // 2 + math.ceil(p.numel() / QLORA_BLOCK) * 4
-            out["weights"] += n
-            if p.requires_grad:
-                out["grads"] += n
-                out["tensors"] += 1
-                out["largest"] = max(out["largest"], n)
-        return out
-
-    def _head_grad_bytes(self):
-        head = self._root(self.models[1]).get_output_embeddings()
-        return sum(p.numel() * p.element_size() for p in head.parameters() if p.requires_grad)
-
-    @staticmethod
-    def _root(model):
-        return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-    def hf_kept(self, batch, seq_len):
-        """(kept per layer, kept outside the layers, forward transient per layer, forward transient outside)
-        of transformers' model: a 2-layer minus a 1-layer meta forward. The transient is what the forward's
-        op outputs hold at its peak over what it keeps (the loss head's logits, the KV cache)."""
-        if (batch, seq_len) in self._kept:
-            return self._kept[batch, seq_len]
-        autocast = self.form.autocast if self.form.compute != self.form.weights else None
-        k1, p1 = meta.footprint(self.models[1], (batch, seq_len), autocast)
-        k2, p2 = meta.footprint(self.models[2], (batch, seq_len), autocast)
-        t1, t2 = p1 - k1, p2 - k2
-        self._kept[batch, seq_len] = k2 - k1, 2 * k1 - k2, t2 - t1, 2 * t1 - t2
-        return self._kept[batch, seq_len]
-
-    def hf_kept_linear(self, batch, seq_len):
-        # every tensor transformers keeps is proportional to the sequence (fused attention): two meta
-        # forwards give the line, any context is read from it
-        s0 = 64
-        a0 = self.hf_kept(batch, s0)
-        a1 = self.hf_kept(batch, 2 * s0)
-        return tuple(x0 + (x1 - x0) * (seq_len - s0) // s0 for x0, x1 in zip(a0, a1))
-
-    def projections(self):
-        """(name, fan in, what it reads: "norm", "product" or None, LoRA-adapted) of each Linear of one layer."""
-        from ..models.hf import modules_of
-
-        layer = modules_of(self._root(self.models[1]), self.spec().layer)[0][1]
-        out = []
-        for name, m in layer.named_modules():
-            if not isinstance(m, torch.nn.Linear) or ".lora_" in name:
-                continue
-            lora = name.endswith(".base_layer")  # PEFT wraps an adapted Linear as its base_layer
-            name = name[: -len(".base_layer")] if lora else name
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf in _OUTPUT_PROJECTIONS:
-                reads = "product" if ".mlp" in "." + name else None
-            else:
-                reads = "norm"
-            out.append((name, m.in_features, reads, lora))
-        return out
-
-    @functools.cached_property
-    def autocast_weight_copies(self):
-        """autocast's cached 16-bit copies of the trained float32 weights, made once per forward."""
-        if self.form.autocast is None or self.form.compute == self.form.weights:
-            return 0
-        e = _size(self.form.compute)
-        per = {n: sum(m.weight.numel() for m in self._root(self.models[n]).modules()
-                      if isinstance(m, torch.nn.Linear) and m.weight.requires_grad) for n in (1, 2)}
-        return e * (per[1] + (self.num_layers - 1) * (per[2] - per[1]))
-
-    def cache_bytes(self, batch, seq_len):
-        """transformers' KV cache after a forward with config.use_cache on (training does not turn it off):
-        every layer's rotated keys and values, which ours' attention keeps copies of, not these."""
-        if not getattr(self.config, "use_cache", False):
-            return 0
-        shape, _ = self.shape
-        d = shape["hidden_dim"] // shape["num_heads"]
-        kv = (shape.get("num_kv_heads") or shape["num_heads"]) * d
-        # the keys after RoPE are in the residual stream's dtype (float32 tables), the values in the compute dtype
-        return self.num_layers * batch * seq_len * kv * (_size(self.form.weights) + _size(self.form.compute))
-
-    def spec(self):
+    def ours_error(self):
         from ..models import model_specs
 
-        spec = model_specs().get(self.config.model_type)
-        if spec is None:
-            raise ValueError(f"config: model type {self.config.model_type!r} is not converted by selective_ckpt "
-                             f"(converted: {', '.join(sorted(model_specs()))})")
-        return spec
+        if self.config.model_type not in model_specs():
+            return (f"model type {self.config.model_type!r} is not converted by selective_ckpt (converted: "
+                    f"{', '.join(sorted(model_specs()))})")
+        return None
 
-    @functools.cached_property
-    def shape(self):
-        from ..models.hf import modules_of
+    def layered(self, kind, batch, seq_len):
+        """_Layered of one simulated kind ("transformers", "checkpointing", "none", "selective", "full")."""
+        if (kind, batch, seq_len) not in self._steps:
+            kinds = ("transformers", "checkpointing") if kind in ("transformers", "checkpointing") else \
+                ("none", "selective", "full")
+            steps = {k: [] for k in kinds}
+            for layers in (1, 2):
+                for k, step in self._simulate(layers, kinds, batch, seq_len).items():
+                    steps[k].append(step)
+            for k, (one, two) in steps.items():
+                self._steps[k, batch, seq_len] = _Layered(one, two)
+        return self._steps[kind, batch, seq_len]
 
-        spec = self.spec()
-        root = self._root(self.models[1])
-        layer = modules_of(root, spec.layer)[0][1]
-        shape = dict(spec.shape(layer, root.config, spec))
-        shape.pop("dtype", None)
-        ranks = {}
-        if self.form.kind != "full":
-            for name, m in layer.named_modules():
-                if hasattr(m, "lora_A"):
-                    ranks[name] = self.form.rank
-        return shape, ranks
+    def _simulate(self, layers, kinds, batch, seq_len):
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def ours_layer(self, batch, seq_len, mode):
-        shape, ranks = self.shape
-        f = self.form
-        residual = f.weights
-        compute = f.compute
-        mlp = residual if f.kind == "qlora" else compute
-        lora = LoRA(ranks, f.autocast or f.weights, 0.0) if ranks else None
-        return estimate(seq_len=seq_len, batch=batch, recompute=mode, dtype=compute, residual_dtype=residual,
-                        mlp_dtype=mlp, lora=lora, **shape)
+        from ..models.moe import even_routing
 
-    def ours_outside(self, batch, seq_len):
-        """(kept, head transient): the final norm's input and statistics and the fused loss head."""
-        t, h = batch * seq_len, self.config.hidden_size
-        head = self._root(self.models[1]).get_output_embeddings()
-        parts = loss_head_estimate(t, self.config.vocab_size, h, self.form.weights,
-                                   weight_grad=head.weight.requires_grad, bias=head.bias is not None,
-                                   breakdown=True)
-        # dweight formed in forward is the head's gradient: counted with the gradients, not here
-        kept = parts["dhidden"] + t * h * _size(self.form.weights) + t * 4
-        return kept, parts["chunk"] + parts["accumulator"]
+        out = {}
+        with FakeTensorMode(allow_non_fake_inputs=True), _quiet(), even_routing(), simulate.grouped_matmuls():
+            model = simulate.build(self.config, layers, self.form)
+            autocast = self.form.autocast
+            if "transformers" in kinds:
+                simulate.even_routing(model)
+                out["transformers"] = simulate.run_step(model, batch, seq_len, autocast)
+                simulate.checkpointing(model, True)
+                out["checkpointing"] = simulate.run_step(model, batch, seq_len, autocast)
+                return out
+            from .. import convert, set_recompute
+
+            convert(model)
+            for mode in kinds:
+                set_recompute(model, mode)
+                out[mode] = simulate.run_step(model, batch, seq_len, autocast)
+        return out
 
 
-def _layer_backward_transient(model, batch, seq_len, converted):
-    """The largest transient of one layer's backward, t tokens, h hidden, f the MLP width, e bytes per element.
+@contextlib.contextmanager
+def _quiet():
+    """The simulated steps' warnings (transformers' deprecations, the mode announcement) are not the user's."""
+    import logging
+    import warnings
 
-    e is the weights' element size (under autocast the residual stream's gradients stay in it).
-    transformers: the gradients of the MLP's largest intermediates while they are formed (d(gate), d(up),
-    d(act(gate) * up): 3 t f) and two of the residual stream's (2 t h). Ours: the rebuilt outputs and their
-    gradients inside the fused backward kernels, 7 t h + 2 t f, plus 5 t (H + Hkv) D with q/k norms, as the
-    CPU allocator measures them (calibrated there; tests/test_fit.py holds the whole step to 5 %).
+    logs = [logging.getLogger(name) for name in ("selective_ckpt", "transformers")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+def _phases(layered, modes, L):
+    """Bytes held over weights and optimizer state in each phase of an L-layer step whose layer j runs as
+    layered[modes[j]] (one kind for every layer, or a per-layer plan).
+
+    What one more layer adds to a phase is read off the 2-layer step: to a later layer's forward and to the
+    head, what it holds then (its kept bytes and its part of the KV cache); to the loss backward, likewise; to
+    a later layer's backward, its kept bytes k; to an earlier layer's backward, its weights' gradients g. The
+    first layer is a layer of its own: its input is no activation (with frozen embeddings its backward forms
+    no gradient of it, and under LoRA with autocast its forward saves less), so the other layers' forward and
+    backward are read off the 2-layer step's second layer.
     """
-    t = batch * seq_len
-    c = model.config
-    h = c.hidden_size
-    ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
-    e = _size(model.form.weights)  # under autocast the residual stream's gradients stay in the weights' dtype
-    if not converted:
-        return (3 * ffn + 2 * h) * t * e
-    shape, _ = model.shape
-    qk = 0
-    if model.spec().qk_norm:  # the q/k norms' rebuilt outputs and their gradients, 5 (q + k widths)
-        d = shape["hidden_dim"] // shape["num_heads"]
-        qk = 5 * (shape["num_heads"] + (shape.get("num_kv_heads") or shape["num_heads"])) * d
-    return (7 * h + 2 * ffn + qk) * t * e
+    def step(m, phase, two_phase=None):
+        return layered[m].most(two_phase or phase, two=True) - layered[m].most(phase)
 
-
-_OUTPUT_PROJECTIONS = ("o_proj", "dense", "c_proj", "out_proj", "down_proj", "dense_4h_to_h", "fc2")
-
-
-def _layer_forward_transient(model, batch, seq_len):
-    """What the step holds at the end of the last layer's forward over what the layers keep.
-
-    The layer's registered outputs (its norm outputs and the MLP product: the "none" set over "selective")
-    live until its forward returns, and so does every cast of them a projection computes in another dtype
-    (autocast's 16-bit copy per q/k/v/gate/up/down Linear, a 4-bit base's cast to its compute dtype, PEFT's
-    cast of a 16-bit input to the adapter's float32 and autocast's back); then the MLP output (and its
-    upcast to the residual stream) and the KV cache transformers fills. Outside the layers: the embedding
-    output and the rotary tables; autocast's cached copies of the trained weights live until it exits.
-    """
-    t, h = batch * seq_len, model.config.hidden_size
-    f = model.form
-    e_r, e_c = _size(f.weights), _size(f.compute)
-    quantized = f.kind == "qlora"
-    e_mlp = e_r if quantized else e_c
-    e_base = 2 if quantized else e_c  # bitsandbytes computes in bnb_4bit_compute_dtype (bfloat16 here)
-    held = model.ours_layer(batch, seq_len, "none") - model.ours_layer(batch, seq_len, "selective")
-    casts = 0
-    for name, fan_in, reads, lora in model.projections():
-        if reads is None:
-            continue
-        e_in = e_r if reads == "norm" else e_mlp
-        if e_base != e_in:
-            casts += t * fan_in * e_base
-        if lora:
-            e_lora = e_c if f.autocast is not None else e_r
-            if e_in != e_r:  # PEFT casts the input to the adapter's (float32) dtype
-                casts += t * fan_in * e_r
-            if e_lora != e_r:
-                casts += t * fan_in * e_lora
-    out = t * h * e_mlp + (t * h * e_r if e_mlp != e_r else 0)
-    shape, _ = model.shape
-    d = shape["hidden_dim"] // shape["num_heads"]
-    outside = t * h * e_r + 2 * seq_len * d * 4 + seq_len * 8 + model.autocast_weight_copies
-    return held + casts + out + model.cache_bytes(batch, seq_len) + outside
-
-
-def _head_backward(model, batch, seq_len):
-    """transformers' loss backward: the float32 gradient of the upcast logits and one more t x V float32
-    buffer (log-softmax's and the upcast's gradients), over what forward kept."""
-    return 2 * batch * seq_len * model.config.vocab_size * 4
-
-
-def _assemble(model, v, head_backward=0):
-    L = model.num_layers
-    acts = L * v.kept_per_layer + v.kept_outside
-    v.phases = {
-        "last layer forward": L * v.kept_per_layer + v.forward_transient,
-        "forward end": acts + v.head_transient,
-        "loss backward": acts + head_backward,
-        # the loss head's and the final norm's saved tensors are freed once their backward has run
-        "first layer backward": L * v.kept_per_layer + model.head_grads + v.layer_transient,
-        "last layer backward": model.grads + v.layer_transient,
-        "optimizer step": model.grads + 2 * model.largest_trained,
+    kinds = set(modes)
+    head = {m: step(m, "head") for m in kinds}  # what a layer holds while later ones run: kept bytes, KV cache
+    loss = {m: step(m, "loss backward") for m in kinds}
+    kept = [layered[m].kept for m in modes]
+    below = [0] * L
+    for j in range(1, L):
+        below[j] = below[j - 1] + kept[j - 1]
+    g = layered[modes[0]].grads_per_layer
+    first, last = layered[modes[0]], layered[modes[-1]]
+    if L == 1:
+        backward = first.most(("backward", 0))
+    else:
+        backward = max([first.most(("backward", 0), two=True) + (L - 2) * g] +
+                       [layered[m].most(("backward", 1), two=True) - layered[m].kept + below[j] + (L - 1 - j) * g
+                        for j, m in enumerate(modes) if j])
+    forward, ahead = first.most(("forward", 0)), head[modes[0]]
+    for m in modes[1:]:
+        forward = max(forward, layered[m].most(("forward", 1), two=True) - head[m] + ahead)
+        ahead += head[m]
+    return {
+        "embedding": first.most("embedding"),
+        "forward": forward,
+        "head": last.most("head") + sum(head[m] for m in modes[:-1]),
+        "loss backward": last.most("loss backward") + sum(loss[m] for m in modes[:-1]),
+        "layer backward": backward,
+        "optimizer": first.most("optimizer") + (L - 1) * step(modes[0], "optimizer"),
     }
-    v.peak = model.weights + model.optimizer + max(v.phases.values())
+
+
+def _variant(name, layered, modes, L):
+    kinds = {m: layered[m] for m in modes}
+    v = Variant(name, modes=list(modes) if name == "ours plan" else None)
+    base = kinds[modes[0]]
+    v.phases = _phases(kinds, modes, L)
+    v.kept_per_layer = sum(kinds[m].kept for m in modes) // L
+    v.kept_outside = base.one.forward_end - base.kept
+    forward_end = sum(kinds[m].kept for m in modes) + v.kept_outside
+    v.head_transient = max(v.phases["head"], v.phases["loss backward"]) - forward_end
+    v.layer_transient = max(kinds[m].transient(("backward", 0)) for m in modes)
+    v.peak = base._line("weights")(L) + base._line("state")(L) + max(v.phases.values())
     return v
+
+
+def _parts(layered, L):
+    return {"weights": layered._line("weights")(L), "gradients": layered._line("grads")(L),
+            "optimizer state": layered._line("state")(L)}
 
 
 def _variants(model, batch, seq_len, gpu_bytes=None, names=VARIANTS):
     out = {}
-    t = batch * seq_len
-    e_res = _size(model.form.weights)
-    if set(names) & set(VARIANTS[:2]):
-        a_hf, o_hf, ta_hf, to_hf = model.hf_kept_linear(batch, seq_len)
-        trans = _layer_backward_transient(model, batch, seq_len, False)
-        hb = _head_backward(model, batch, seq_len)
-        L = model.num_layers
-        out[VARIANTS[0]] = _assemble(model, Variant(VARIANTS[0], a_hf, o_hf, to_hf + L * ta_hf, trans), hb)
-        # checkpointed layers keep their input; the one re-run in backward keeps a whole layer again; training
-        # with checkpointing turns transformers' KV cache off (the per-layer part of the forward's transient)
-        out[VARIANTS[1]] = _assemble(model, Variant(VARIANTS[1], t * model.config.hidden_size * e_res, o_hf, to_hf,
-                                                    a_hf + trans), hb)
-    if not set(names) & set(VARIANTS[2:]):
-        return out
-    try:
-        kept_out, head_t = model.ours_outside(batch, seq_len)
-        trans = _layer_backward_transient(model, batch, seq_len, True)
-        sel = model.ours_layer(batch, seq_len, "selective")
-        fwd = _layer_forward_transient(model, batch, seq_len)
-        head_t += model.cache_bytes(batch, seq_len)
-        for mode in ("none", "selective", "full"):
-            a = model.ours_layer(batch, seq_len, mode)
-            name = f"ours {mode}"
-            # a "full" layer re-runs its forward in backward, keeping its "selective" set until done
-            out[name] = _assemble(model, Variant(name, a, kept_out, head_t, trans + (sel if mode == "full" else 0),
-                                                 fwd))
-        if "ours plan" in names and gpu_bytes is not None:
-            out["ours plan"] = _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans, fwd)
-    except ValueError as err:
-        for name in VARIANTS[2:]:
-            out[name] = Variant(name, 0, 0, 0, 0, error=str(err))
+    L = model.num_layers
+    for name in names:
+        if name == "ours plan":
+            continue
+        if name.startswith("ours") and model.ours_error():
+            out[name] = Variant(name, error=model.ours_error())
+            continue
+        kind = _SIMULATED[name]
+        out[name] = _variant(name, {kind: model.layered(kind, batch, seq_len)}, [kind] * L, L)
+    if "ours plan" in names and gpu_bytes is not None:
+        out["ours plan"] = _plan_variant(model, batch, seq_len, gpu_bytes)
     return out
 
 
-def _plan_variant(model, batch, seq_len, gpu_bytes, kept_out, head_t, trans, fwd=0):
-    """memory.plan's modes per layer for what the budget leaves to the layers' activations after the rest
-    of the step (weights, optimizer state, the head and one layer's backward transient)."""
-    from ..memory.planner import plan as make_plan
-
-    shape, _ = model.shape
-    f = model.form
-    usable = gpu_bytes / (1 + ALLOCATOR_SHARE) - model.weights - model.optimizer
-    budget = usable - max(kept_out + head_t, model.head_grads + trans)
-    v = Variant("ours plan", 0, kept_out, head_t, trans, fwd)
-    layer_shape = dict(shape, dtype=f.compute, num_layers=model.num_layers)
-    layer_shape.pop("rope_theta", None)
-    # the planner counts layers in the compute dtype without LoRA: lower its budget by what ours' own
-    # per-layer figures add until the step fits; every layer "full" is the last plan tried, so a plan fits
-    # wherever ours full does
-    for _ in range(16 if budget > 0 else 0):
-        try:
-            p = list(make_plan(layer_shape, batch, seq_len, budget))
-        except ValueError:
-            break
-        if _plan_fits(model, v, p, batch, seq_len, trans, gpu_bytes):
-            return v
-        budget -= v.peak * (1 + ALLOCATOR_SHARE) - gpu_bytes
-        if budget <= 0:
-            break
-    if _plan_fits(model, v, ["full"] * model.num_layers, batch, seq_len, trans, gpu_bytes):
-        return v
+def _plan_variant(model, batch, seq_len, gpu_bytes):
+    """The per-layer modes with the least recompute that fit `gpu_bytes`: the fewest "full" layers, then the
+    fewest "selective" (the rest "none"); "full" layers first, as memory.plan places them (their re-run comes
+    last in backward, when the fewest activations are still kept)."""
+    if model.ours_error():
+        return Variant("ours plan", error=model.ours_error())
+    L = model.num_layers
+    layered = {m: model.layered(m, batch, seq_len) for m in ("none", "selective", "full")}
+    for n_full in range(L + 1):
+        for n_sel in range(L - n_full + 1):
+            modes = ["full"] * n_full + ["selective"] * n_sel + ["none"] * (L - n_full - n_sel)
+            v = _variant("ours plan", layered, modes, L)
+            if v.peak * (1 + ALLOCATOR_SHARE) <= gpu_bytes:
+                return v
     v.error = "no per-layer plan fits"
     return v
-
-
-def _plan_fits(model, v, modes, batch, seq_len, trans, gpu_bytes):
-    """Fills `v` with the step of per-layer `modes`; whether it fits in `gpu_bytes`."""
-    v.modes = modes
-    v.kept_per_layer = sum(model.ours_layer(batch, seq_len, m) for m in modes) / model.num_layers
-    v.layer_transient = trans + (model.ours_layer(batch, seq_len, "selective") if "full" in modes else 0)
-    _assemble(model, v)
-    return v.peak * (1 + ALLOCATOR_SHARE) <= gpu_bytes
 
 
 def predict(config, batch, seq_len, form=None, names=VARIANTS):
@@ -404,8 +286,19 @@ def predict(config, batch, seq_len, form=None, names=VARIANTS):
 
     check_positive_int(batch, "batch")
     check_positive_int(seq_len, "seq_len")
-    model = _Model(load_config(config), form if form is not None else TrainingForm())
+    model = _Model(load_config(config), _form(form))
     return _variants(model, batch, seq_len, names=tuple(n for n in names if n != "ours plan"))
+
+
+def _form(form):
+    form = form if form is not None else TrainingForm()
+    if not isinstance(form, TrainingForm):
+        raise TypeError(f"form must be a TrainingForm, got {type(form).__name__}")
+    return form
+
+
+# contexts of the two simulated steps the longest context is read from (past ours' loss-head chunk length)
+_PROBES = (4096, 8192)
 
 
 def fit(config, gpu_bytes, batch=1, seq_len="max", form=None):
@@ -418,43 +311,58 @@ def fit(config, gpu_bytes, batch=1, seq_len="max", form=None):
     from .configs import load_config
 
     config = load_config(config)
-    form = form if form is not None else TrainingForm()
-    if not isinstance(form, TrainingForm):
-        raise TypeError(f"form must be a TrainingForm, got {type(form).__name__}")
+    form = _form(form)
     if isinstance(gpu_bytes, bool) or not isinstance(gpu_bytes, (int, float)) or gpu_bytes <= 0:
         raise ValueError(f"gpu_bytes must be a positive number of bytes, got {gpu_bytes!r}")
     check_positive_int(batch, "batch")
+    if seq_len != "max":
+        check_positive_int(seq_len, "seq_len")
     model = _Model(config, form)
-    if model.weights + model.optimizer >= gpu_bytes:
+    fixed = _fixed(model, batch)
+    if fixed >= gpu_bytes:
         raise ValueError(f"gpu_bytes: {gpu_bytes} bytes is not more than the weights and optimizer state alone "
-                         f"({model.weights + model.optimizer} bytes)")
+                         f"({fixed} bytes)")
     limit = getattr(config, "max_position_embeddings", None) or 1 << 20
     max_context = {name: _longest(model, batch, name, gpu_bytes, limit) for name in VARIANTS}
     if seq_len == "max":
-        seq_len = max(max_context.values()) or 1
-    else:
-        check_positive_int(seq_len, "seq_len")
+        seq_len = max_context["ours selective"] or max(max_context.values()) or 1
     variants = _variants(model, batch, seq_len, gpu_bytes)
-    parts = {"weights": model.weights, "gradients": model.grads, "optimizer state": model.optimizer}
+    ok = next(v for v in variants.values() if v.error is None)
+    kind = "transformers" if ok.name.startswith("transformers") else "selective"
+    parts = _parts(model.layered(kind, batch, seq_len), model.num_layers)
     return Fit(config.model_type, form, batch, seq_len, int(gpu_bytes), model.num_layers, parts, variants,
                max_context)
 
 
-def _longest(model, batch, name, gpu_bytes, limit):
-    """Longest context per sample whose peak (with the allocator's share) fits, 0 if none; peaks grow with it."""
-    def ok(s):
-        v = _variants(model, batch, s, gpu_bytes, names=(name,))[name]
-        return v.error is None and v.peak * (1 + ALLOCATOR_SHARE) <= gpu_bytes
+def _fixed(model, batch):
+    """Weights and optimizer state: what the step holds before it starts."""
+    layered = model.layered("transformers", batch, _PROBES[0])
+    L = model.num_layers
+    return layered._line("weights")(L) + layered._line("state")(L)
 
-    if not ok(1):
+
+def _longest(model, batch, name, gpu_bytes, limit):
+    """Longest context per sample whose peak (with the allocator's share) fits, 0 if none: each phase is
+    linear in the context, read off steps simulated at the two _PROBES contexts, and the peak is the largest
+    phase; a plan fits wherever every layer "full" does."""
+    if name == "ours plan":
+        name = "ours full"
+    lo, hi = (_variants(model, batch, s, names=(name,))[name] for s in _PROBES)
+    if lo.error is not None:
         return 0
-    lo, hi = 1, limit
-    if ok(hi):
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    budget = gpu_bytes / (1 + ALLOCATOR_SHARE)
+    fixed_lo, fixed_hi = lo.peak - max(lo.phases.values()), hi.peak - max(hi.phases.values())
+    best = limit
+    s0, s1 = _PROBES
+    for phase in lo.phases:
+        a_lo, a_hi = fixed_lo + lo.phases[phase], fixed_hi + hi.phases[phase]
+        slope = (a_hi - a_lo) / (s1 - s0)
+        at_zero = a_lo - slope * s0
+        if at_zero > budget:
+            return 0
+        if slope > 0:
+            best = min(best, int((budget - at_zero) // slope))
+    return max(0, best)
 
 
 __all__ = ["ALLOCATOR_SHARE", "Fit", "NOT_MODELLED", "VARIANTS", "Variant", "fit", "predict"]

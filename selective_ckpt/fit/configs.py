@@ -57,7 +57,11 @@ def load_config(config):
             raise ValueError(f"config: field {field!r} must be a positive integer (a size the memory model reads), "
                              f"got {v!r}")
     try:
-        return AutoConfig.for_model(model_type, **d)
+        out = AutoConfig.for_model(model_type, **d)
     except ValueError as err:
         raise ValueError(f"config: field 'model_type' {model_type!r} is not a transformers model type "
                          f"({err})") from None
+    if isinstance(config, PretrainedConfig):  # the implementations set on it, which to_dict leaves out
+        for name in ("_attn_implementation_internal", "_experts_implementation_internal"):
+            setattr(out, name, getattr(config, name, None))
+    return out
