@@ -25,7 +25,9 @@ sigmoid gate: y = down(sigmoid(g(x)) * act(gate) * up), the gate folded into the
 input (rebuilt, like the product) instead of scaling the down output, which would keep t*h elements.
 """
 
+import contextlib
 import dataclasses
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,7 @@ from ..activations import has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
 from ..memory.estimate import MoE
 from ..ops.swiglu import gated_product_backward_op, gated_product_op
+from ..storages import PLAIN_TENSOR_TYPES
 from .common import ConversionError
 from .patches import activate
 
@@ -119,6 +122,26 @@ class RoutedExperts(torch.autograd.Function):
         return dx, dgate_up, ddown, dweights, None, None, None, None
 
 
+_routing = threading.local()
+
+
+@contextlib.contextmanager
+def even_routing():
+    """While active, the routed rows are taken as split evenly between the experts, whatever the index says:
+    for a step simulated on fake tensors (selective_ckpt.fit), which hold no index to count."""
+    previous = getattr(_routing, "even", False)
+    _routing.even = True
+    try:
+        yield
+    finally:
+        _routing.even = previous
+
+
+def even_counts(rows, num_experts):
+    """`rows` split as evenly as they go between `num_experts` experts, the first ones taking one more."""
+    return [rows // num_experts + (e < rows % num_experts) for e in range(num_experts)]
+
+
 def _expert_rows(index, num_experts):
     """(expert, first row, row count, flat positions, tokens) for each expert that some token is routed to,
     in expert order, of a [tokens, top_k] index: rows are the flat positions sorted by expert (stable), so
@@ -126,7 +149,11 @@ def _expert_rows(index, num_experts):
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     start = 0
-    for e, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+    if getattr(_routing, "even", False):
+        counts = even_counts(flat.numel(), num_experts)
+    else:
+        counts = torch.bincount(flat, minlength=num_experts).tolist()
+    for e, count in enumerate(counts):
         if count:
             pos = order[start:start + count]
             yield e, start, count, pos, pos // index.shape[1]
@@ -175,7 +202,8 @@ def check_experts(experts, name):
         raise ConversionError(f"{name}: experts with their own gating ({type(experts).__name__}._apply_gate) cannot "
                               "be converted")
     for p in ("gate_up_proj", "down_proj"):
-        if type(getattr(experts, p, None)) is not torch.nn.Parameter:
+        w = getattr(experts, p, None)
+        if not isinstance(w, torch.nn.Parameter) or type(w) not in PLAIN_TENSOR_TYPES:  # a fake one is plain too
             raise ConversionError(f"{name}.{p} is not a plain nn.Parameter; it cannot be converted")
     if kernel_activation(experts.act_fn) is None:
         raise ConversionError(f"{name}.act_fn ({type(experts.act_fn).__name__}) is not an activation selective_ckpt "
@@ -233,8 +261,12 @@ class MoESpec:
             if not _is(block.shared_expert, mlp_cls):
                 raise ConversionError(f"{name}.shared_expert is a {type(block.shared_expert).__name__}, not {mlp_cls}")
             gate = getattr(block.shared_expert_gate, "base_layer", block.shared_expert_gate)  # LoRA keeps its base
-            if type(gate) is not torch.nn.Linear or gate.bias is not None:
-                raise ConversionError(f"{name}.shared_expert_gate is not a bias-free nn.Linear; it cannot be converted")
+            # called as a module: a plain Linear or a bitsandbytes 4-/8-bit one (QLoRA quantizes it too)
+            linear = type(gate) is torch.nn.Linear or (isinstance(gate, torch.nn.Linear) and
+                                                      type(gate).__name__ in ("Linear4bit", "Linear8bitLt"))
+            if not linear or gate.bias is not None:
+                raise ConversionError(f"{name}.shared_expert_gate is not a bias-free nn.Linear (plain, 4- or 8-bit); "
+                                      "it cannot be converted")
         check_experts(block.experts, f"{name}.experts")
         if self.check is not None:
             self.check(block, name)

@@ -181,3 +181,34 @@ def test_moe_estimate_refuses_bad_shapes(kwargs, name):
 
     with pytest.raises(ValueError, match=name):
         MoE(**kwargs)
+
+
+def test_qlora_qwen2_moe_converts_with_its_shared_expert_gate_quantized(tmp_path):
+    """QLoRA quantizes every Linear but the head, Qwen2-MoE's shared_expert_gate among them: the converted
+    model runs its 4-bit gate as a module and follows transformers' QLoRA model (the same 4-bit layers)."""
+    pytest.importorskip("bitsandbytes")
+    import warnings
+
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    torch.manual_seed(0)
+    BY_NAME["qwen2_moe"].build()().save_pretrained(tmp_path)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = BY_NAME["qwen2_moe"].causal_lm.from_pretrained(tmp_path, quantization_config=q,
+                                                               attn_implementation="sdpa")
+    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    assert type(base.model.layers[0].mlp.shared_expert_gate).__name__ == "Linear4bit"
+    torch.manual_seed(1)
+    plain = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False)).train()
+    ours = convert(copy.deepcopy(plain))
+    ids, mask = batch()
+    p, pg = _grads(plain, input_ids=ids, attention_mask=mask, labels=ids)
+    o, og = _grads(ours, input_ids=ids, attention_mask=mask, labels=ids)
+    torch.testing.assert_close(o.loss, p.loss, rtol=1e-5, atol=1e-6)
+    assert set(og) == set(pg) and og
+    for n in pg:  # the 4-bit layers compute in bf16 on inputs that differ in fp32 rounding: 1e-2 of the largest
+        assert (og[n] - pg[n]).abs().max() <= 1e-2 * pg[n].abs().max(), n
