@@ -203,8 +203,8 @@ def run_table(args):
                 for S in seqs:
                     qkv = torch.randn(B, S, 3, H, D, dtype=DTYPES[dt], requires_grad=True)
                     grad = torch.randn(B, H, S, D, dtype=DTYPES[dt])
-                    mine = lambda q, k, v: ours(q, k, v, causal, 0.0)
-                    theirs = lambda q, k, v: sdpa(q, k, v, causal, 0.0)
+                    mine = lambda q, k, v, causal=causal: ours(q, k, v, causal, 0.0)
+                    theirs = lambda q, k, v, causal=causal: sdpa(q, k, v, causal, 0.0)
                     fns = {"sdpa": (theirs, None), "ours": (mine, None)}
                     fns.update({f"ours {bq}x{bk}": (mine, (bq, bk)) for bq, bk in tiles})
                     rounds = args.rounds if S < 4096 else max(3, args.rounds // 2)

@@ -18,9 +18,6 @@ context that fits.
 
 import contextlib
 import dataclasses
-import functools
-
-import torch
 
 from ..validation import check_positive_int
 from . import simulate

@@ -111,8 +111,8 @@ class _Matmul4bit(torch.autograd.Function):
 
 def quantize(model):
     """Replaces every Linear (and GPT-2's Conv1D) of `model` but its output head by the 4-bit stand-in (what
-    transformers' BitsAndBytesConfig(load_in_4bit=True) quantizes), then freezes every parameter and keeps them in float32,
-    as peft's prepare_model_for_kbit_training does."""
+    transformers' BitsAndBytesConfig(load_in_4bit=True) quantizes), then freezes every parameter and keeps them
+    in float32, as peft's prepare_model_for_kbit_training does."""
     from transformers.pytorch_utils import Conv1D
 
     head = model.get_output_embeddings()

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import recompute
-from ..storages import storage_id
 from ..registry import state_of
+from ..storages import storage_id
 from .units import columns, format_bytes
 
 

@@ -15,8 +15,14 @@ from selective_ckpt.models.configuration import layer_estimate
 from selective_ckpt.registry import recomputable_layers
 from tests.models import hf_checks
 from tests.models.families import collect
-from tests.models.hf_checks import (VOCAB, assert_matches_reference, batch, kept_bytes_per_layer, triple,
-                                    unconverted_attention)
+from tests.models.hf_checks import (
+    VOCAB,
+    assert_matches_reference,
+    batch,
+    kept_bytes_per_layer,
+    triple,
+    unconverted_attention,
+)
 
 pytest.importorskip("transformers")
 

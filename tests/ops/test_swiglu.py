@@ -8,8 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from selective_ckpt import rng, swiglu_mlp
-from selective_ckpt.ops.swiglu import (gated_product, gated_product_backward_op, gated_product_op,
-                                      gated_product_rebuild_op)
+from selective_ckpt.ops.swiglu import (
+    gated_product,
+    gated_product_backward_op,
+    gated_product_op,
+    gated_product_rebuild_op,
+)
 from tests.reference import assert_within_rule
 
 NAMES = ("x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
