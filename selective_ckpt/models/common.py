@@ -45,6 +45,7 @@ class ConvertedLayerState:
         self._shape_of = shape_of
         self.name = name or type(layer).__name__
         self.checked = None  # module count when the adapters were last checked (models/peft.py)
+        self.patches = []  # (module, its patched forward) in the layer as last checked
         self.warned = False
         self.modes = None  # the model's ModeAnnouncement, shared by its layers
 

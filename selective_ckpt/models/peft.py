@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .common import ConversionError
-from .patches import PATCHED, dropout_forward, patch_forward, restore_patches
+from .patches import PATCH, PATCHED, dropout_forward, patch_forward, restore_patches
 
 # Module classes a converted layer may hold whose saved tensors the recompute scope handles: the
 # families' own blocks are checked by their plans; these are the consumers found inside them.
@@ -99,16 +99,19 @@ def unknown_modules(layer):
 def check_layer(layer, layer_name, state):
     """Puts back patched forwards something replaced (`kernels.kernelize` called on the model after convert),
     patches LoRA dropouts added since the last check and warns once about unknown modules."""
-    restored = restore_patches(layer)
-    if restored:
-        warnings.warn(f"selective_ckpt: {layer_name}: the forwards of {', '.join(restored)} were replaced after "
-                      "convert (hub kernels' kernelize?); the converted forwards are put back", stacklevel=3)
     signature = sum(1 for _ in layer.modules())
-    if state.checked == signature:
+    changed = state.checked != signature
+    if changed or any(vars(m).get("forward") is not patch for m, patch in getattr(state, "patches", ())):
+        restored = restore_patches(layer)
+        if restored:
+            warnings.warn(f"selective_ckpt: {layer_name}: the forwards of {', '.join(restored)} were replaced after "
+                          "convert (hub kernels' kernelize?); the converted forwards are put back", stacklevel=3)
+    if not changed:
         return
     for module, forward in plan_adapters(layer, layer_name):
         if getattr(module, PATCHED, None) is None:
             patch_forward(module, forward)
+    state.patches = [(m, vars(m)[PATCH]) for m in layer.modules() if PATCH in vars(m)]
     unknown = unknown_modules(layer)
     if unknown and not state.warned:
         warnings.warn(f"selective_ckpt: {layer_name} holds modules it does not know: {', '.join(unknown)}; what "
