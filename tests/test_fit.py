@@ -161,6 +161,16 @@ def test_bundled_configs_load_and_project():
     assert r.max_context["ours full"] >= r.max_context["ours selective"] >= r.max_context["transformers"] > 0
 
 
+@pytest.mark.parametrize("name", BUNDLED)
+def test_every_bundled_config_simulates(name):
+    """Each bundled config (sliding windows, soft-capped Gemma-2, the Mixtral mixture) runs both sides of the
+    step: ours keeps less than transformers, and both more than the weights."""
+    got = predict(name, 1, 512, TrainingForm("lora", autocast=torch.bfloat16), names=("transformers", "ours selective"))
+    assert all(v.error is None for v in got.values()), got
+    assert got["ours selective"].kept_per_layer < got["transformers"].kept_per_layer
+    assert got["ours selective"].peak < got["transformers"].peak
+
+
 def test_longest_context_fits_and_a_longer_one_does_not():
     """The longest context fit reads off two simulated contexts is where a step simulated at that context
     just fits: at it the peak (with the allocator's share) is within the budget, 5 % further it is over."""

@@ -228,9 +228,11 @@ def _variant(name, layered, modes, L):
     v = Variant(name, modes=list(modes) if name == "ours plan" else None)
     base = kinds[modes[0]]
     v.phases = _phases(kinds, modes, L)
-    v.kept_per_layer = sum(kinds[m].kept for m in modes) // L
-    v.kept_outside = base.one.forward_end - base.kept
-    forward_end = sum(kinds[m].kept for m in modes) + v.kept_outside
+    # the first layer may keep less than the others (its input is no activation): what one step keeps at the
+    # forward's end is L layers' and the rest, the rest being at least 0
+    forward_end = base.one.forward_end - base.kept + sum(kinds[m].kept for m in modes)
+    v.kept_outside = max(0, base.one.forward_end - base.kept)
+    v.kept_per_layer = (forward_end - v.kept_outside) // L
     v.head_transient = max(v.phases["head"], v.phases["loss backward"]) - forward_end
     v.layer_transient = max(kinds[m].transient(("backward", 0)) for m in modes)
     v.peak = base._line("weights")(L) + base._line("state")(L) + max(v.phases.values())

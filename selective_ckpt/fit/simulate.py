@@ -4,7 +4,8 @@ The model (transformers' own, or converted by selective_ckpt in a recompute mode
 the meta device and materialised as FakeTensors (torch's FakeTensorMode: shapes and dtypes, no memory, no
 arithmetic); LoRA adapters come from PEFT, QLoRA's 4-bit bases from a stand-in that allocates what
 bitsandbytes' Linear4bit allocates. The step runs as Trainer runs it (forward with labels under autocast when
-asked, backward, AdamW's step, gradients set to None) after a first step that creates the optimizer state. A
+asked, backward, AdamW's step, gradients set to None) after an optimizer step on zero gradients has made
+the optimizer state. A
 dispatch mode counts every op output's storage from the op that makes it until it is freed, so what is held
 at any moment is known to the byte: on the CPU, the allocator measures the same (tests/test_fit.py).
 
@@ -320,8 +321,9 @@ def _storages(tensors):
 
 
 def run_step(model, batch, seq_len, autocast=None):
-    """Simulates one steady-state step of `model` (on fake tensors) on a [batch, seq_len] batch with labels;
-    returns its Step. `autocast`: the dtype of torch.autocast("cpu") around forward and loss, or None."""
+    """Simulates one steady-state step of `model` (on fake tensors) on a [batch, seq_len] batch with labels, the
+    optimizer state made by a step on zero gradients first; returns its Step. `autocast`: the dtype of
+    torch.autocast("cpu") around forward and loss, or None."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
     ids = torch.zeros((batch, seq_len), dtype=torch.long)
@@ -330,7 +332,8 @@ def run_step(model, batch, seq_len, autocast=None):
         with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
             return model(input_ids=ids, labels=ids).loss
 
-    forward().backward()
+    for p in params:  # the optimizer state, as a first step leaves it (no first forward: it costs time only)
+        p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
     weights = _storages([*model.parameters(), *model.buffers()])

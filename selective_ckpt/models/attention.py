@@ -26,7 +26,7 @@ import torch
 
 from .. import rng
 from ..ops.attention import attention
-from ..storages import storage_bytes, storage_id
+from ..storages import is_fake, storage_bytes, storage_id
 from .common import ConversionError
 
 NAME = "selective_ckpt"
@@ -276,7 +276,10 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
         raise ConversionError(f"{name}: only causal self-attention is supported")
     window = kwargs.get("sliding_window") or None
     pad = cu = None
-    if attention_mask is not None:
+    # a fake mask (selective_ckpt.fit's simulated step, whose batch has no padding) has no values to describe;
+    # it is taken as the causal mask it is there (what attention keeps does not depend on it)
+    fake = is_fake(attention_mask) and not torch.compiler.is_compiling()
+    if attention_mask is not None and not fake:
         try:
             pad, cu = _cached_describe(attention_mask, B, Sq, window, name, H)
         except Inexpressible as e:
