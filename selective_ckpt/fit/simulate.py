@@ -129,6 +129,9 @@ def quantize(model):
         p.requires_grad_(False)
         if p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.float()
+    for m in model.modules():  # bitsandbytes casts a bias to the compute dtype in place at its first forward
+        if isinstance(m, Linear4bit) and m.bias is not None:
+            m.bias.data = m.bias.data.to(m.compute_dtype)
 
 
 def build(config, num_layers, form):
