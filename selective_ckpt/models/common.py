@@ -54,7 +54,8 @@ class ConvertedLayerState:
         dtypes: fp32 adapters or norms beside a 16-bit base), so casts of dropped outputs are watched and
         rebuilt too (recompute.scope). A quantized base's integer weights do not count: its matmul keeps
         nothing of its input (4-bit), or convert drops what it keeps (8-bit), and watching costs a Python
-        dispatch per op (6 of the 14 ms of CPU time a small QLoRA step added)."""
+        dispatch per op (6 of the 14 ms of CPU time a small QLoRA step added). Its bias does: bitsandbytes
+        casts it to the compute dtype in place at the first forward."""
         if recompute.autocast_on():
             return True
         dtypes = {p.dtype for p in self.layer.parameters() if p.is_floating_point()}
