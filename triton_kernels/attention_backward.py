@@ -43,9 +43,13 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
     # One flat loop over (query head of the group, query block), heads in order: a nested head loop
     # around the block loop kept more live across iterations and spilled; this is the G == 1 loop.
     n_blk = b_hi - b_lo
+    # never a division by zero: the software pipeliner computes the first iterations' addresses ahead of
+    # the trip-count check, and an empty range (no query block needs this mask kind) made them garbage
+    # (an illegal address on an H200 for non-causal ragged 16-bit inputs)
+    per_head = tl.maximum(n_blk, 1)
     for it in range(0, G * n_blk):
-        hh = it // n_blk
-        start = (b_lo + it - hh * n_blk) * BLOCK_M
+        hh = it // per_head
+        start = (b_lo + it - hh * per_head) * BLOCK_M
         q_base = q_head + hh * sqh
         do_base = do_head + hh * sdh
         lse_base = LSE + stat_head + hh * Sq
