@@ -267,7 +267,10 @@ def test_cuda_graph_replays_a_training_step_with_dropout():
         return y
 
     def grads():
-        return [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
+        named = [*layer.named_parameters(), ("x", x)]
+        missing = [n for n, p in named if p.grad is None]
+        assert not missing, f"no gradient after the step for {missing}"
+        return [p.grad.clone() for _, p in named]
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
