@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a lent machine (one H200; budget: under 9 minutes in all).
+# One-shot GPU check for a lent machine (one H200; budget: 10 minutes in all).
 #
-#   bash bench/gpu.sh            # install check, CUDA tests (parallel), per-kernel attention sweep vs SDPA
-#                                # (FLASH and cuDNN pinned) with the chip's bf16 matmul rate, 7B layer with
-#                                # dropout, the main job at the 7B shape
+#   bash bench/gpu.sh            # install check, CUDA tests (parallel), Llama-3.1-8B's whole step against the
+#                                # fit model, the main job at the 7B shape, per-kernel attention sweep vs SDPA
+#                                # (FLASH and cuDNN pinned) with the chip's bf16 matmul rate, 7B layer with dropout
 #   bash bench/gpu.sh --dry-run  # CPU: print every command, check that the entry points parse; runs nothing heavy
 #
 # Writes under $OUT when set (else bench/out/): summary.txt, steps.log (install + tests),
-# attention_gpu.log, attention/{attention_gpu.csv, layer_7b.csv}, main.log and main/{results.csv, PNGs}.
+# attention_gpu.log, attention/{attention_gpu.csv, layer_7b.csv}, fit_check.{log,json}, main.log and
+# main/{results.csv, PNGs}. A selective_ckpt/_C built for the machine's Python beforehand is used as it is.
 # The short table is printed last.
 # Environment: PYTHON (default python3), STEP_TIMEOUT_SCALE (multiplies each step's time limit).
 # Every step runs even when an earlier one fails; the exit status is 1 if any step failed.
@@ -72,6 +73,12 @@ install_package() {
   # skips setuptools' pyproject reading) and reach the Triton kernels through a link, as the
   # installed package maps them; PYTHONPATH points here.
   local v
+  # a _C built elsewhere for this Python (carried in) that loads and matches the sources needs no build
+  if "$PY" -c 'import selective_ckpt' 2>/dev/null; then
+    echo "selective_ckpt._C present and current: no build"
+    [ -e selective_ckpt/triton_kernels ] || ln -sfn ../triton_kernels selective_ckpt/triton_kernels
+    return 0
+  fi
   v=$("$PY" -c 'import setuptools; print(setuptools.__version__)') || return 1
   echo "setuptools $v"
   if [ "${v%%.*}" -ge 77 ] && "$PY" -m pip install --no-build-isolation --no-deps -q -e .; then
@@ -97,6 +104,9 @@ short_table() {
     echo "(no sweep figures)"
   fi
   echo
+  echo "== Llama-3.1-8B step against the fit model (LoRA r=16, bf16 autocast, 8192 tokens)"
+  grep -E '^\|' "$DEST/fit_check.log" 2>/dev/null || echo "(no fit-check figures)"
+  echo
   echo "== main job (7B layer, bf16): see $DEST/main.log for the full table"
   grep -E '^seq [0-9]+:' "$DEST/main.log" 2>/dev/null || echo "(no main-job figures)"
 }
@@ -110,6 +120,7 @@ if [ "$DRY" = 1 ]; then
     [ -f "$f" ] || { echo "[dry-run] missing $f" >&2; FAILED=1; }
   done
   "$PY" -m selective_ckpt.bench --help > /dev/null || { echo "[dry-run] selective_ckpt.bench --help failed" >&2; FAILED=1; }
+  "$PY" -m selective_ckpt.bench.fit_check --help > /dev/null || { echo "[dry-run] selective_ckpt.bench.fit_check --help failed" >&2; FAILED=1; }
   "$PY" -m selective_ckpt.bench.attention_gpu --dry-run --out "$DEST/attention" \
     || { echo "[dry-run] selective_ckpt.bench.attention_gpu failed" >&2; FAILED=1; }
   "$PY" -m pytest -m cuda -q -p no:cacheprovider --collect-only tests/ > /dev/null \
@@ -123,15 +134,21 @@ if [ "$DRY" = 1 ]; then
   DRY=0 step dry-selfcheck 60 "$DEST/steps.log" selfcheck || FAILED=1
 fi
 
-# Limits sum to 500 s (under 9 minutes on an H200, kernel compiles included).
+# Limits sum to 590 s (an H200, 2026-12-04: tests 126 s, fit check 38, main job 21, sweep 59); the sweep comes
+# last, and its log keeps every point it printed if it is cut short.
 step environment 20 "$DEST/steps.log" environment
 step install 90 "$DEST/steps.log" install_package
 # pytest-xdist when present: the CUDA tests in parallel workers on the one GPU
 PAR=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 4")
 # shellcheck disable=SC2086
-step cuda-tests 100 "$DEST/steps.log" "$PY" -m pytest -m cuda -q -p no:cacheprovider $PAR tests/
-step attention 200 "$DEST/attention_gpu.log" attention_sweep
-step main-job 90 "$DEST/main.log" "$PY" -m selective_ckpt.bench --device cuda --no-progress --seq 2048,4096 --out "$DEST/main"
+step cuda-tests 150 "$DEST/steps.log" "$PY" -m pytest -m cuda -q -p no:cacheprovider $PAR tests/
+# the fit model's Llama-3.1-8B projection (LoRA r=16 all-linear, bf16 autocast, 8192 tokens) measured at full size
+step fit-check 100 "$DEST/fit_check.log" "$PY" -m selective_ckpt.bench.fit_check Llama-3.1-8B --device cuda \
+  --seq-len 8192 --form lora --rank 16 --autocast bfloat16 --timed 1 --no-predict --json "$DEST/fit_check.json"
+# the torch.compile rows (a subprocess and a compile each) do not fit the budget: 90 s ran out before them
+step main-job 80 "$DEST/main.log" "$PY" -m selective_ckpt.bench --device cuda --no-progress --seq 2048,4096 \
+  --rows sdpa,sdpa-ckpt,none,selective,full,llama-sdpa,llama-selective --out "$DEST/main"
+step attention 150 "$DEST/attention_gpu.log" attention_sweep
 
 if [ "$DRY" = 1 ]; then
   echo "[dry-run] then prints the step summary, the sweep table and the main job's summary lines"

@@ -213,3 +213,24 @@ def test_command_line_prints_every_part():
     for part in ("weights", "gradients", "optimizer state", "kept/layer", "head tr.", "layer bwd tr.",
                  "allocator", "transformers + gradient checkpointing", "ours plan", "not modelled"):
         assert part in out, part
+
+
+def test_fit_check_measures_a_real_step_and_prints_the_prediction_beside_it(tmp_path, capsys):
+    """python -m selective_ckpt.bench.fit_check (what bench/gpu.sh runs at Llama-3.1-8B's full size on a GPU)
+    at a small width on CPU: a row per variant, the measured peak within 5 % of the prediction."""
+    import json
+
+    from selective_ckpt.bench import fit_check
+
+    out = tmp_path / "rows.json"
+    assert fit_check.main(["Llama-3.1-8B", "--layers", "2", "--hidden", "128", "--seq-len", "128", "--form", "lora",
+                           "--rank", "4", "--autocast", "bfloat16", "--timed", "0", "--variants",
+                           "transformers,ours selective", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["transformers", "ours selective"]
+    for r in rows:
+        assert abs(r["predicted"] - r["peak"]) <= 0.05 * r["peak"], r
+    printed = capsys.readouterr().out
+    assert "| transformers |" in printed and "| ours selective |" in printed
+    with pytest.raises(SystemExit, match="variants"):
+        fit_check.main(["Llama-3.1-8B", "--variants", "ours sometimes"])
