@@ -19,4 +19,6 @@ def checkpointed(layers):
 def keep_checkpointed(layers):
     """After convert: each of `layers` (from `checkpointed`) recomputes "full" again, as before."""
     for layer in layers:
-        getattr(layer, STATE).recompute = "full"
+        state = getattr(layer, STATE)
+        state.recompute = "full"
+        state.full_asked = False  # transformers' checkpointing, as one switched on after convert: warned of

@@ -74,6 +74,7 @@ class ConvertedLayerState:
     @recompute.setter
     def recompute(self, mode):
         check_mode(mode)
+        self.full_asked = mode == "full"  # not transformers' checkpointing switched on around us
         layer = self.layer
         if mode == "full":
             if getattr(layer, "_gradient_checkpointing_func", None) is None:
@@ -145,7 +146,8 @@ class ModeAnnouncement:
 
     Gradient checkpointing switched on after convert (TRL's SFTConfig does so by default, as does
     Trainer with gradient_checkpointing=True) turns converted layers "full", which costs a second
-    forward; that is a warning naming the way back. Otherwise one info line on the selective_ckpt logger.
+    forward; that is a warning naming the way back. Modes asked of us (convert's recompute, set_recompute, a
+    plan; "full" included) are one info line on the selective_ckpt logger.
     """
 
     def __init__(self, states):
@@ -160,7 +162,8 @@ class ModeAnnouncement:
             counts[s.recompute] = counts.get(s.recompute, 0) + 1
         said = ", ".join(f'{n} "{m}"' for m, n in sorted(counts.items()))
         log = logging.getLogger("selective_ckpt")
-        if counts.get("full"):
+        # "full" asked of us (convert's recompute, set_recompute, a plan) is the user's choice: said, not warned
+        if any(s.recompute == "full" and not s.full_asked for s in self.states):
             log.warning(f"selective_ckpt: decoder layers run {said}: \"full\" re-runs a layer's forward in "
                         "backward (gradient checkpointing is on). For selective recompute at no such cost, train "
                         "with gradient_checkpointing=False (TRL's SFTConfig turns it on by default); for a "

@@ -102,3 +102,34 @@ def test_set_recompute_after_convert_still_changes_checkpointed_layers():
     assert _modes(model) == ["selective", "selective"]
     assert not any(layer.gradient_checkpointing for layer in hf_checks._layers(model))
     copy.deepcopy(model)
+
+
+def test_full_asked_of_convert_is_said_and_checkpointing_switched_on_is_warned(caplog):
+    """The first step says which modes the layers run: "full" that convert or set_recompute was asked for is
+    an info line; "full" from transformers' checkpointing (before or after convert) is a warning naming the
+    way back to selective recompute."""
+    import logging
+
+    ids, _ = batch()
+
+    def first_step_messages(model):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="selective_ckpt"):
+            model(input_ids=ids, labels=ids).loss.backward()
+        return [(r.levelno, r.message) for r in caplog.records if r.name == "selective_ckpt"]
+
+    torch.manual_seed(0)
+    asked = convert(BUILDS["llama"](2).train(), recompute="full")
+    said = first_step_messages(asked)
+    assert [lvl for lvl, _ in said] == [logging.INFO] and '2 "full"' in said[0][1], said
+    plan = convert(BUILDS["llama"](2).train())
+    set_recompute(plan, ["full", "selective"])
+    said = first_step_messages(plan)
+    assert [lvl for lvl, _ in said] == [logging.INFO], said
+    for before in (True, False):
+        model = _build("llama", 2, "gradient_checkpointing_enable") if before else _build("llama", 2)
+        if not before:
+            _enable(model, "gradient_checkpointing_enable")
+        said = first_step_messages(model)
+        assert any(lvl == logging.WARNING and '2 "full"' in m and "gradient_checkpointing=False" in m
+                   for lvl, m in said), (before, said)
