@@ -42,14 +42,10 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
     offs = tl.arange(0, BLOCK_M)
     # One flat loop over (query head of the group, query block), heads in order: a nested head loop
     # around the block loop kept more live across iterations and spilled; this is the G == 1 loop.
-    n_blk = b_hi - b_lo
-    # never a division by zero: the software pipeliner computes the first iterations' addresses ahead of
-    # the trip-count check, and an empty range (no query block needs this mask kind) made them garbage
-    # (an illegal address on an H200 for non-causal ragged 16-bit inputs)
-    per_head = tl.maximum(n_blk, 1)
+    n_blk = b_hi - b_lo  # at least 1: callers skip empty ranges (see _bwd_dkdv_kernel)
     for it in range(0, G * n_blk):
-        hh = it // per_head
-        start = (b_lo + it - hh * per_head) * BLOCK_M
+        hh = it // n_blk
+        start = (b_lo + it - hh * n_blk) * BLOCK_M
         q_base = q_head + hh * sqh
         do_base = do_head + hh * sdh
         lse_base = LSE + stat_head + hh * Sq
@@ -150,14 +146,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
     # With dropout the loop is always split too (its edge ranges are then empty): as one loop, with the
     # dK/dV dots in flight across iterations and the keep flags changing layout inside it, ptxas
     # serialises every wgmma (C7515; n_wgmma_serialized in tests/gpu_compile_check.py).
+    # An empty range is skipped, not entered: the loop divides by the range's block count, and the software
+    # pipeliner computes the first iteration's addresses ahead of the trip-count check (a division by zero,
+    # then an illegal address on an H200 for non-causal ragged 16-bit inputs, whose first range is empty).
     if CAUSAL or WINDOW or VARLEN or not EVEN_M or DROPOUT:
-        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
-        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
-        dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
-    else:
+        if b1 > b0:
+            dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
+        if b2 > b1:
+            dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
+        if b3 > b2:
+            dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
+                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
+    elif b3 > b0:
         dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
                               DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
     _store_rows(DK + b * sdkb + kvh * sdkh, cols, sdkn, Sk, dims, dk * scale, D, not EVEN_N, EVEN_D)
