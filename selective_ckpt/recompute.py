@@ -93,7 +93,9 @@ class _Scope:
         self.observer = observer  # the observing context's pack (memory.ledger), or None
 
     def register(self, y, rebuild):
-        self.outputs[_key(y)] = (y, y._version, rebuild)
+        key = _key(y)
+        if key is not None:  # a subclass is kept as it is (view_of never finds one)
+            self.outputs[key] = (y, y._version, rebuild)
 
     def view_of(self, t):
         """A _View reading t back from a registered output, or None."""

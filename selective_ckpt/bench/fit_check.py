@@ -48,7 +48,7 @@ def build(config, form, variant, device):
     `variant` trains it: as built, under gradient checkpointing, or converted in a recompute mode."""
     from transformers import AutoModelForCausalLM
 
-    from ..fit.simulate import _with_lora, checkpointing
+    from ..fit.simulate import checkpointing, with_lora
     from ..models import convert
 
     if form.kind == "qlora":
@@ -58,7 +58,7 @@ def build(config, form, variant, device):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=form.weights)
     if form.kind == "lora":
-        model = _with_lora(model, form)
+        model = with_lora(model, form)
     model.train()
     if variant == "transformers + gradient checkpointing":
         checkpointing(model, True)

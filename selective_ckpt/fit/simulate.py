@@ -157,7 +157,7 @@ def build(config, num_layers, form):
         if form.kind == "qlora":
             quantize(model)
         if form.kind != "full":
-            model = _with_lora(model, form)
+            model = with_lora(model, form)
     model = model.to_empty(device="cpu")
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
     if attention is not None:  # the one the config names, set as a user sets it on a built model
@@ -167,7 +167,9 @@ def build(config, num_layers, form):
     return model.train()
 
 
-def _with_lora(model, form):
+def with_lora(model, form):
+    """`model` frozen under PEFT LoRA adapters of the form's rank on those of its targets the model has (alpha
+    twice the rank, the form's dropout); a ValueError naming `targets` when it has none of them."""
     from peft import LoraConfig, get_peft_model
 
     present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}

@@ -101,7 +101,7 @@ def check_layer(layer, layer_name, state):
     patches LoRA dropouts added since the last check and warns once about unknown modules."""
     signature = sum(1 for _ in layer.modules())
     changed = state.checked != signature
-    if changed or any(vars(m).get("forward") is not patch for m, patch in getattr(state, "patches", ())):
+    if changed or any(vars(m).get("forward") is not patch for m, patch in state.patches):
         restored = restore_patches(layer)
         if restored:
             warnings.warn(f"selective_ckpt: {layer_name}: the forwards of {', '.join(restored)} were replaced after "
