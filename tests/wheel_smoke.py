@@ -119,11 +119,21 @@ def check_triton_backend_refused():
         del os.environ["SELECTIVE_CKPT_BACKEND"]
 
 
+def check_bundled_configs():
+    """selective_ckpt.fit's bundled configs are package data: the wheel must carry every one."""
+    from selective_ckpt.fit.configs import BUNDLED, REQUIRED, bundled
+
+    for name in BUNDLED:
+        d = bundled(name)
+        assert all(k in d for k in REQUIRED), (name, sorted(d))
+
+
 def main(checkout):
     package = check_installed_copy(Path(checkout).resolve())
     modules = import_every_module()
     check_op_families()
     check_triton_backend_refused()
+    check_bundled_configs()
     print(f"package {package}")
     print(f"imported {len(modules)} modules")
     print("smoke ok")
