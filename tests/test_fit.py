@@ -234,3 +234,5 @@ def test_fit_check_measures_a_real_step_and_prints_the_prediction_beside_it(tmp_
     assert "| transformers |" in printed and "| ours selective |" in printed
     with pytest.raises(SystemExit, match="variants"):
         fit_check.main(["Llama-3.1-8B", "--variants", "ours sometimes"])
+    with pytest.raises(SystemExit, match="qlora is not measured here"):
+        fit_check.main(["Llama-3.1-8B", "--form", "qlora"])

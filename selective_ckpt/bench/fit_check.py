@@ -24,6 +24,8 @@ import time
 
 import torch
 
+QLORA_REFUSED = ("form: qlora is not measured here (a 4-bit base needs bitsandbytes' CUDA build); "
+                 "tests/test_fit.py measures it on CPU")
 VARIANTS = ("transformers", "ours selective", "transformers + gradient checkpointing", "ours full")
 _GIB = 2 ** 30
 
@@ -52,8 +54,7 @@ def build(config, form, variant, device):
     from ..models import convert
 
     if form.kind == "qlora":
-        raise ValueError("form: qlora is not measured here (a 4-bit base needs bitsandbytes' CUDA build); "
-                         "tests/test_fit.py measures it on CPU")
+        raise ValueError(QLORA_REFUSED)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=form.weights)
@@ -166,6 +167,8 @@ def main(argv=None):
         form = form_from_arguments(args)
     except (ValueError, TypeError) as err:
         raise SystemExit(f"error: {err}") from None
+    if form.kind == "qlora":  # refused before any variant is built
+        raise SystemExit(f"error: {QLORA_REFUSED}")
     config = _config(args.config, args.layers, args.hidden)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
