@@ -151,7 +151,12 @@ class _Scope:
         view = self.view_of(t)
         if view is not None:
             return view
-        return self.observer(t) if self.observer is not None else t
+        if self.observer is not None:
+            return self.observer(t)
+        # A detached alias, never t itself: a node saving its own output (attention's o and lse, a norm's
+        # statistics) would otherwise hold that output, whose grad_fn is the node, in a cycle through C++
+        # that no garbage collector sees: a forward never followed by backward would keep its graph forever.
+        return t.detach()
 
     @staticmethod
     def unpack(packed):

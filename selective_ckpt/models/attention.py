@@ -94,7 +94,8 @@ def describe_mask(mask, batch, seq, window, name, heads=1):
         raise Inexpressible(f"{name}: attention_mask differs between heads; only causal + key padding or packed "
                             "documents are supported")
     allowed = allowed[:, 0]
-    pad = allowed.diagonal(dim1=-2, dim2=-1)  # every unpadded query attends itself
+    # every unpadded query attends itself; a copy, so that the [B, S] result does not hold the [B, S, S] mask
+    pad = allowed.diagonal(dim1=-2, dim2=-1).contiguous()
     idx = torch.arange(seq, device=mask.device)
     starts = torch.zeros(batch, seq, dtype=torch.bool, device=mask.device)
     if seq > 1 and window != 1:  # a document starts where a query cannot see its unpadded left neighbour
@@ -118,7 +119,14 @@ def describe_mask(mask, batch, seq, window, name, heads=1):
     return (pad if has_pad else None), cu
 
 
-_LAST = [None]  # (weakref to mask, version, B, S, window, result): a model hands every layer one mask
+_LAST = [None]  # (weakref to mask, (version, B, S, window, heads), result): a model hands every layer one mask
+
+
+def _forget(ref):
+    """The cached description dies with its mask: nothing of one forward is held into the next."""
+    last = _LAST[0]
+    if last is not None and last[0] is ref:
+        _LAST[0] = None
 
 
 def _cached_describe(mask, batch, seq, window, name, heads):
@@ -132,7 +140,7 @@ def _cached_describe(mask, batch, seq, window, name, heads):
             result = describe_mask(mask, batch, seq, window, name, heads)
         except Inexpressible as e:
             result = _Refused(str(e))  # the message only: a traceback would keep this forward's tensors
-        last = _LAST[0] = (weakref.ref(mask), key, result)
+        last = _LAST[0] = (weakref.ref(mask, _forget), key, result)
     if isinstance(last[2], _Refused):
         raise Inexpressible(last[2].message)
     return last[2]
