@@ -266,11 +266,16 @@ def test_cuda_graph_replays_a_training_step_with_dropout():
         y.backward(gy)
         return y
 
+    named = [*layer.named_parameters(), ("x", x)]
+
     def grads():
-        named = [*layer.named_parameters(), ("x", x)]
         missing = [n for n, p in named if p.grad is None]
         assert not missing, f"no gradient after the step for {missing}"
-        return [p.grad.clone() for _, p in named]
+        return [p.grad for _, p in named]
+
+    def clear():
+        for _, p in named:
+            p.grad = None
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -278,25 +283,24 @@ def test_cuda_graph_replays_a_training_step_with_dropout():
         for _ in range(2):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    for p in [*layer.parameters(), x]:
-        p.grad = None
+    clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y_graph = step()
+    # the graph's own gradient buffers: each replay overwrites them (captured with p.grad None: assigned, not
+    # accumulated), and p.grad = ... is not replayed, so they are read directly, whatever p.grad holds later
+    static = grads()
 
     for s in (1, 2):
         torch.manual_seed(s)
         graph.replay()
         torch.cuda.synchronize()
-        got_y, got = y_graph.clone(), grads()
-        for p in [*layer.parameters(), x]:
-            p.grad = None
+        got_y, got = y_graph.clone(), [g.clone() for g in static]
+        clear()
         torch.manual_seed(s)
         want_y = step()
         want = grads()
         assert torch.equal(got_y, want_y), f"seed {s}: output differs"
-        for a, b in zip(got, want):
-            assert torch.equal(a, b), f"seed {s}: a gradient differs"
-        for p in [*layer.parameters(), x]:
-            p.grad = None
-        # the graph's own gradient buffers were overwritten by the replay, not accumulated
+        for (n, _), a, b in zip(named, got, want):
+            assert torch.equal(a, b), f"seed {s}: the gradient of {n} differs"
+        clear()
