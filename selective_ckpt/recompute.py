@@ -153,10 +153,12 @@ class _Scope:
             return view
         if self.observer is not None:
             return self.observer(t)
-        # A detached alias, never t itself: a node saving its own output (attention's o and lse, a norm's
-        # statistics) would otherwise hold that output, whose grad_fn is the node, in a cycle through C++
-        # that no garbage collector sees: a forward never followed by backward would keep its graph forever.
-        return t.detach()
+        # A detached alias of a non-leaf, never t itself: a node saving its own output (attention's o and lse,
+        # a norm's statistics) would otherwise hold that output, whose grad_fn is the node, in a cycle through
+        # C++ that no garbage collector sees: a forward never followed by backward would keep its graph
+        # forever. A leaf (a parameter, maybe a subclass whose detach would drop its attributes) has no grad_fn
+        # to close a cycle and is kept as it is.
+        return t.detach() if t.grad_fn is not None else t
 
     @staticmethod
     def unpack(packed):
