@@ -33,7 +33,10 @@ def cpu_allocation_deltas(fn):
     """Byte deltas (+ allocation, - free) of every CPU allocation while `fn()` runs, in time order.
 
     From the profiler (profile_memory=True), which sees allocations inside custom ops and C++
-    kernels too. Returns None where the profiler's raw events are not available.
+    kernels too. A free is seen when its block was allocated while some profiler ran, this call or
+    an earlier one: a block an earlier measurement allocated and left alive (in a cache, say) shows
+    up as a negative delta when it dies inside `fn`. Returns None where the profiler's raw events
+    are not available.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -59,8 +62,8 @@ def cpu_peak_bytes(fn):
     """Peak of CPU bytes allocated minus freed while `fn()` runs, from the allocator's own events.
 
     The running sum of `cpu_allocation_deltas` peaks at the figure CUDA's max_memory_allocated gives
-    there. Memory freed inside `fn` that was allocated before it is not seen (set gradients to None
-    beforehand). Falls back to StorageTracker (op outputs only) where the profiler's raw events are
+    there. Memory freed inside `fn` that was allocated before it, outside any profiler, is not seen (set
+    gradients to None beforehand). Falls back to StorageTracker (op outputs only) where the profiler's raw events are
     not available; `fn` then runs a second time.
     """
     deltas = cpu_allocation_deltas(fn)

@@ -1,6 +1,7 @@
 """memory.cpu_peak_bytes (allocator events) and memory.StorageTracker (live op outputs)."""
 
 
+import pytest
 import torch
 from torch import nn
 
@@ -63,3 +64,16 @@ def test_cpu_peak_bytes_counts_allocations_inside_ops():
     with tracker:
         fn()
     assert tracker.peak == 8000  # sees op outputs only: the custom op's scratch is invisible to it
+
+
+def test_allocation_deltas_see_frees_of_blocks_an_earlier_measurement_allocated():
+    """What the docstring says measurements must guard against: a block left alive by an earlier profiled
+    window is seen when it dies in a later one; a block from outside any profiler is not."""
+    outside = [torch.ones(300)]
+    kept = []
+    first = memory.cpu_allocation_deltas(lambda: kept.append(torch.ones(500)))
+    if first is None:
+        pytest.skip("the profiler's raw memory events are not available")
+    assert first == [500 * F32]
+    assert memory.cpu_allocation_deltas(kept.clear) == [-500 * F32]
+    assert memory.cpu_allocation_deltas(outside.clear) == []
