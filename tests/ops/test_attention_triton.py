@@ -264,7 +264,9 @@ def test_cuda_graph_replays_a_training_step_with_dropout():
     def step():
         y = layer(x)
         y.backward(gy)
-        return y
+        # detached: a returned y would keep its graph, and with it the AccumulateGrad nodes of the stream it ran
+        # on, alive into later steps (torch warns of the stream mismatch when the captured graph's are reused)
+        return y.detach()
 
     named = [*layer.named_parameters(), ("x", x)]
 
