@@ -23,7 +23,6 @@ configuration (models.configuration.layer_estimate: its shape, dtypes and LoRA r
 import argparse
 import codecs
 import contextlib
-import gc
 import io
 import sys
 import tempfile
@@ -122,16 +121,11 @@ def kept_bytes_per_layer(model, batch, args):
     for n in (1, layers):
         with _layers_run(model, n):
             held = []
-            gc.collect()
-            gc.disable()
-            try:
-                def forward(h=held):
-                    with autocast(args):
-                        h.append(model(**batch).loss)
-                deltas = memory.cpu_allocation_deltas(forward)
-            finally:
-                gc.enable()
-            kept.append(sum(deltas))
+
+            def forward(h=held):
+                with autocast(args):
+                    h.append(model(**batch).loss)
+            kept.append(sum(memory.cpu_allocation_deltas(forward)))
             del held
     return (kept[1] - kept[0]) // (layers - 1)
 

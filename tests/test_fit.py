@@ -5,7 +5,6 @@ and training form; the longest context it reads off two simulated contexts is wh
 fits; bad input is a clear error."""
 
 import contextlib
-import gc
 import subprocess
 import sys
 import warnings
@@ -109,12 +108,7 @@ def _measured(family, config, form, converted, tmp_path):
         opt.zero_grad(set_to_none=True)
 
     step()
-    gc.collect()
-    gc.disable()
-    try:
-        peak = running_peak(cpu_allocation_deltas(step))
-    finally:
-        gc.enable()
+    peak = running_peak(cpu_allocation_deltas(step))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += sum(b.numel() * b.element_size() for b in _quant_states(model))
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())

@@ -108,11 +108,7 @@ def measure(config, form, variant, device, batch, seq_len, timed=2):
         held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         held += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                     if isinstance(t, torch.Tensor))
-        gc.disable()
-        try:
-            out["peak"] = held + running_peak(cpu_allocation_deltas(step))
-        finally:
-            gc.enable()
+        out["peak"] = held + running_peak(cpu_allocation_deltas(step))
         out["reserved"] = None
     times = []
     for _ in range(timed):

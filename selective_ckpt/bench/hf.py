@@ -31,7 +31,6 @@ Columns:
 import argparse
 import contextlib
 import csv
-import gc
 import sys
 import time
 
@@ -170,13 +169,7 @@ def _kept_after_forward(model, ids, autocast_dtype=None):
         with _autocast(autocast_dtype):
             held.append(model(input_ids=ids, labels=ids).loss)
 
-    gc.collect()
-    gc.disable()  # garbage collected inside the window would count as negative deltas
-    try:
-        deltas = memory.cpu_allocation_deltas(forward)
-    finally:
-        gc.enable()
-    return sum(deltas)
+    return sum(memory.cpu_allocation_deltas(forward))
 
 
 def kept_bytes_per_layer(kind, row, cfg, ids):

@@ -9,7 +9,6 @@ a causal LM runs: `lm_head` (F.linear) then ForCausalLMLoss (upcast to float32, 
 """
 
 import argparse
-import gc
 import statistics
 import time
 
@@ -59,13 +58,8 @@ def _memory(fn, hidden, weight, labels):
     """(bytes alive after forward, peak over forward + backward), allocator deltas, grads set to None."""
     hidden.grad = weight.grad = None
     held = []
-    gc.collect()
-    gc.disable()
-    try:
-        fwd = cpu_allocation_deltas(lambda: held.append(fn(hidden, weight, labels)))
-        bwd = cpu_allocation_deltas(lambda: held.pop().backward())
-    finally:
-        gc.enable()
+    fwd = cpu_allocation_deltas(lambda: held.append(fn(hidden, weight, labels)))
+    bwd = cpu_allocation_deltas(lambda: held.pop().backward())
     if fwd is None or bwd is None:
         return float("nan"), float("nan")
     return sum(fwd), max(running_peak(fwd), sum(fwd) + running_peak(bwd))

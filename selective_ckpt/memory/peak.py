@@ -5,6 +5,7 @@
 """
 
 import contextlib
+import gc
 import os
 import sys
 import weakref
@@ -35,13 +36,22 @@ def cpu_allocation_deltas(fn):
     From the profiler (profile_memory=True), which sees allocations inside custom ops and C++
     kernels too. A free is seen when its block was allocated while some profiler ran, this call or
     an earlier one: a block an earlier measurement allocated and left alive (in a cache, say) shows
-    up as a negative delta when it dies inside `fn`. Returns None where the profiler's raw events
-    are not available.
+    up as a negative delta when it dies inside `fn`. So that garbage of earlier work is not such a
+    block, it is collected first and no collection runs while `fn` does (what reference cycles made
+    inside `fn` hold then counts, as it stays until a collection). Returns None where the profiler's
+    raw events are not available.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+    finally:
+        if was_enabled:
+            gc.enable()
     try:
         raw = prof.profiler.kineto_results.events()
     except AttributeError:

@@ -1,7 +1,6 @@
 """Checks every Hugging Face family test runs: the converted model against float64, unconverted in its dtype."""
 
 import copy
-import gc
 
 import torch
 
@@ -111,13 +110,7 @@ def kept_bytes_per_layer(build_layers, inputs):
     for n in (1, 2):
         model = build_layers(n)
         held = []
-        # garbage of earlier tests collected inside the window would count as negative deltas
-        gc.collect()
-        gc.disable()
-        try:
-            deltas = cpu_allocation_deltas(lambda m=model, h=held: h.append(m(**inputs).logits))
-        finally:
-            gc.enable()
+        deltas = cpu_allocation_deltas(lambda m=model, h=held: h.append(m(**inputs).logits))
         net.append(sum(deltas))
         del held
     return net[1] - net[0]

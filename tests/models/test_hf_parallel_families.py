@@ -3,7 +3,6 @@ residuals side by side, partial rotary, dropout by seed (bit-identical across re
 site and no mask kept), the loss head under Cohere's logit scale, and what convert() refuses."""
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -218,12 +217,7 @@ def test_starcoder2_embedding_dropout_keeps_a_seed():
         model.config._attn_implementation = "sdpa"
         model = convert(model) if converted else model
         held = []
-        gc.collect()
-        gc.disable()  # garbage of earlier tests collected inside the window would count as negative deltas
-        try:
-            return sum(cpu_allocation_deltas(lambda: held.append(model(input_ids=ids).logits)))
-        finally:
-            gc.enable()
+        return sum(cpu_allocation_deltas(lambda: held.append(model(input_ids=ids).logits)))
 
     assert kept(0.1, True) - kept(0.0, True) == 8
     assert kept(0.1, False) - kept(0.0, False) >= ids.numel() * 64

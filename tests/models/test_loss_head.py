@@ -239,8 +239,6 @@ def test_nothing_tokens_by_vocabulary_is_kept():
 def test_a_step_leaves_nothing_for_the_garbage_collector():
     """With the garbage collector off, a training step whose gradients accumulate in place allocates nothing
     that outlives it: nothing of it (the final hidden states the head read) waits in a reference cycle."""
-    import gc
-
     torch.manual_seed(0)
     ours = convert(LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE, use_cache=False)).train())
     ids, _ = batch(seed=8)
@@ -249,12 +247,7 @@ def test_a_step_leaves_nothing_for_the_garbage_collector():
         ours(input_ids=ids, labels=ids).loss.backward()
 
     step()  # gradients exist from here on
-    gc.collect()
-    gc.disable()
-    try:
-        deltas = cpu_allocation_deltas(step)
-    finally:
-        gc.enable()
+    deltas = cpu_allocation_deltas(step)  # with the collector off
     if deltas is None:
         pytest.skip("the profiler's raw allocator events are not available")
     assert sum(deltas) == 0

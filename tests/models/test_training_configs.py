@@ -9,7 +9,6 @@ and LoRA's masks are the dropout contract's elementwise stream.
 
 import contextlib
 import copy
-import gc
 import warnings
 
 import pytest
@@ -107,16 +106,11 @@ def _held(model, ids, config):
     with _autocast(config):  # first calls change state once (bnb casts biases, lazy buffers): not measured
         model(input_ids=ids, labels=ids)
     out = []
-    gc.collect()
-    gc.disable()  # garbage collected inside the window would count as negative deltas
-    try:
-        def forward():
-            with _autocast(config):
-                out.append(model(input_ids=ids, labels=ids).loss)
-        deltas = cpu_allocation_deltas(forward)
-    finally:
-        gc.enable()
-    return sum(deltas)
+
+    def forward():
+        with _autocast(config):
+            out.append(model(input_ids=ids, labels=ids).loss)
+    return sum(cpu_allocation_deltas(forward))
 
 
 def _decoder_layers(model):
