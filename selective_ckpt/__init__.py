@@ -4,8 +4,8 @@ Attention keeps q, k, v, o and the row logsumexp; the MLP keeps its fc1 output; 
 masks, GELU and LayerNorm outputs are recomputed inside the backward kernels.
 """
 
-from . import memory, rng
-from .layers import SelectiveDecoderLayer, set_recompute
+from . import keeping, memory, rng
+from .layers import SelectiveDecoderLayer, set_policy, set_recompute
 from .models import ConversionError, convert
 from .ops.attention import attention
 from .ops.cross_entropy import linear_cross_entropy
@@ -16,6 +16,7 @@ from .ops.rms_norm import rms_norm
 from .ops.swiglu import swiglu_mlp
 from .registry import recomputable_layers
 
-__all__ = ["ConversionError", "SelectiveDecoderLayer", "attention", "convert", "dropout", "gelu_mlp", "layer_norm",
-           "linear_cross_entropy", "memory", "recomputable_layers", "rms_norm", "rng", "set_recompute", "swiglu_mlp"]
+__all__ = ["ConversionError", "SelectiveDecoderLayer", "attention", "convert", "dropout", "gelu_mlp", "keeping",
+           "layer_norm", "linear_cross_entropy", "memory", "recomputable_layers", "rms_norm", "rng", "set_policy",
+           "set_recompute", "swiglu_mlp"]
 __version__ = "0.1.0"

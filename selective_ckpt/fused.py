@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .activations import GELU_APPROXIMATE, KERNEL_ACTIVATIONS
 from .double_backward import first_order_only
+from .keeping import pipeline
 from .ops.gelu import mlp_backward, mlp_forward
 from .ops.layer_norm import layer_norm_apply, layer_norm_bwd, layer_norm_fwd
 from .ops.rms_norm import rms_norm_apply, rms_norm_bwd, rms_norm_fwd
@@ -113,9 +114,15 @@ def _mlp_forward(ctx, u, params, seed):
     cast = tuple(_cast(t, ctx.cd) for t in params)
     if ctx.mlp == "gated":
         out, gate, up, a = gated_mlp_forward(u, *cast, ctx.p, ctx.activation, seed, ctx.store)
-        return (out,), (*cast, gate, up, a)
-    out, h, a = mlp_forward(u, *cast, ctx.p, GELU_APPROXIMATE[ctx.activation], seed, ctx.store)
-    return (out,), (*cast, h, a)
+        inner = (gate, up)
+    else:
+        out, h, a = mlp_forward(u, *cast, ctx.p, GELU_APPROXIMATE[ctx.activation], seed, ctx.store)
+        inner = (h,)
+    for t in inner:
+        pipeline.tag(t, "mlp")  # the matmul outputs (keeping.policy's classes)
+    if a is not None:
+        pipeline.tag(a, "norm_act")
+    return (out,), (*cast, *inner, a)
 
 
 def _mlp_backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild):
@@ -150,6 +157,8 @@ class _NormThen(torch.autograd.Function):
         ctx.nd = x.dtype if norm == "rmsnorm" or cd == x.dtype else norm_dtype(x)
         y, stats = _norm_forward(norm, x, norm_w, norm_b, eps, offset, ctx.nd)
         u = y.to(cd)
+        if store:
+            pipeline.tag(u, "norm_act")
         outs, kept = _CONSUMERS[consumer][0](ctx, u, params, seed)
         ctx.n_stats = len(stats)
         ctx.save_for_backward(x, norm_w, norm_b, *stats, *kept, u if store else None, seed if p else None)

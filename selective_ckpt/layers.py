@@ -24,6 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from . import fused, rng, rotary
 from .activations import ACTIVATIONS, GATED_LAYER_ACTIVATIONS
+from .keeping import pipeline
+from .keeping.policy import LayerPolicy, resolve
 from .ops.attention import attention_fwd_op
 from .ops.dropout import dropout_op
 from .registry import recomputable, recomputable_layers, state_of
@@ -32,7 +34,6 @@ from .validation import (
     SUPPORTED_DTYPES,
     check_bool,
     check_layer_shape,
-    check_mode,
     check_positive_float,
     check_positive_int,
 )
@@ -127,6 +128,7 @@ class SelectiveDecoderLayer(nn.Module):
         if dtype is not None and dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         self.recompute = recompute
+        self.engine = None  # the model's keeping.offload.OffloadEngine while a policy offloads (set_recompute)
         self.hidden_dim, self.num_heads, self.causal = hidden_dim, num_heads, causal
         self.dropout, self.attn_dropout, self.activation = float(dropout), float(attn_dropout), activation
         self.softmax_scale = None  # None: 1 / sqrt(head_dim); convert() sets GPT-2's layer-wise scale
@@ -149,12 +151,27 @@ class SelectiveDecoderLayer(nn.Module):
             self.fc2 = nn.Linear(ffn, hidden_dim, bias=bias, **factory)
 
     @property
+    def policy(self):
+        """What the layer keeps, offloads and rebuilds (keeping.LayerPolicy); set_recompute sets it."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, value):
+        self._policy = resolve(value)
+
+    @property
     def recompute(self):
-        return self._recompute
+        return self._policy.recompute
 
     @recompute.setter
     def recompute(self, mode):
-        self._recompute = check_mode(mode)
+        self._policy = resolve(mode, "recompute")
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
+        state = dict(state)
+        state["engine"] = None  # streams and pinned host memory belong to a process: set_recompute makes anew
+        return state
 
     def extra_repr(self):
         llama = ""
@@ -163,7 +180,7 @@ class SelectiveDecoderLayer(nn.Module):
                      f"sliding_window={self.sliding_window}, ")
         return (f"hidden_dim={self.hidden_dim}, num_heads={self.num_heads}, {llama}causal={self.causal}, "
                 f"activation={self.activation!r}, dropout={self.dropout}, attn_dropout={self.attn_dropout}, "
-                f"recompute={self.recompute!r}")
+                f"recompute={str(self.policy)!r}")
 
     def shape(self):
         """The layer's LayerShape fields (memory.planner), its parameters' dtype included."""
@@ -186,13 +203,16 @@ class SelectiveDecoderLayer(nn.Module):
         _check_input(x, self.hidden_dim, attention_mask, self)
         position_ids = rotary.check_position_ids(position_ids, x)
         seeds = self._draw_seeds(x.device)
-        if self.recompute == "full" and self._needs_graph(x):
-            # Seeds are arguments, so the re-run in backward regenerates the very same masks (and the
-            # forward's train/eval mode: a site runs dropout iff its seed was drawn, see _block).
-            block = self._block if torch.compiler.is_compiling() else self._block_checking_versions(x)
-            return checkpoint(block, x, attention_mask, seeds, False, position_ids, use_reentrant=False,
-                              preserve_rng_state=False)
-        return self._block(x, attention_mask, seeds, self.recompute == "none", position_ids)
+        # The fused nodes rebuild what "selective" drops by themselves; the pipeline classifies and offloads
+        # (and, under "full", sees only the checkpoint's saved inputs: x).
+        with pipeline.scope(self._policy, self.engine, layer_input=x, watch_casts=False, registered=False):
+            if self.recompute == "full" and self._needs_graph(x):
+                # Seeds are arguments, so the re-run in backward regenerates the very same masks (and the
+                # forward's train/eval mode: a site runs dropout iff its seed was drawn, see _block).
+                block = self._block if torch.compiler.is_compiling() else self._block_checking_versions(x)
+                return checkpoint(block, x, attention_mask, seeds, False, position_ids, use_reentrant=False,
+                                  preserve_rng_state=False)
+            return self._block(x, attention_mask, seeds, self.recompute == "none", position_ids)
 
     def _block_checking_versions(self, x):
         """_block, whose re-run in backward first checks that neither x nor a parameter was changed in
@@ -238,7 +258,7 @@ class SelectiveDecoderLayer(nn.Module):
         a = F.linear(o, self.proj.weight, self.proj.bias)
         if p > 0:
             a = dropout_op(a, p, seeds[1])
-        x1 = x + a
+        x1 = pipeline.tag(x + a, "residual")
         mlp = (self.gate_proj, self.up_proj, self.down_proj) if self.gated else (self.fc1, self.fc2)
         m = fused.norm_mlp(x1, self.ln2.weight, self._norm_bias(self.ln2), [t for f in mlp for t in (f.weight, f.bias)],
                            eps=self.ln2.eps, mlp="gated" if self.gated else "plain", activation=self.kernel_activation,
@@ -246,36 +266,67 @@ class SelectiveDecoderLayer(nn.Module):
         return x1 + m
 
 
-def set_recompute(model, mode_or_list, every=None):
-    """Sets `recompute` on every SelectiveDecoderLayer and converted Hugging Face decoder layer of
-    `model` (in module order); returns the modes.
+def set_recompute(model, mode_or_list, every=None, *, engine=None, prefetch=1, host_bytes=None, strict=False):
+    """Sets what every SelectiveDecoderLayer and converted Hugging Face decoder layer of `model` keeps (in module
+    order); returns the layers' policies (keeping.LayerPolicy, which print as their mode and what they offload).
 
-    - a mode ("selective", "none", "full"): every layer;
-    - a list of modes, one per layer (what selective_ckpt.memory's planner returns);
-    - `every=k` with a mode: "full" on layers 0, k, 2k, ... and that mode on the rest (segment
+    - a mode ("selective", "none", "full") or a keeping.LayerPolicy (e.g. keeping.policy("selective",
+      offload=["mlp"])): every layer;
+    - a list of modes or policies, one per layer (what selective_ckpt.memory's planner returns);
+    - `every=k` with a mode or policy: "full" on layers 0, k, 2k, ... and that one on the rest (segment
       checkpointing: a full layer every k keeps only its input).
+
+    When a policy offloads, the layers share one offload engine (keeping.offload.OffloadEngine): `engine`, else
+    the one the model's layers have, else a new one with `prefetch` (layers reloaded ahead of backward),
+    `host_bytes` (its pinned host arena, sized on the first step when None) and `strict` (an error instead of
+    pageable memory when pinning fails).
     """
     layers = [state_of(m) for m in recomputable_layers(model)]
     if not layers:
         raise ValueError(f"{type(model).__name__} contains no SelectiveDecoderLayer or converted decoder layer "
                          "(convert it first)")
-    if isinstance(mode_or_list, str):
-        check_mode(mode_or_list)
-        modes = [mode_or_list] * len(layers)
+    if isinstance(mode_or_list, (str, LayerPolicy)):
+        single = resolve(mode_or_list, "mode_or_list")
+        policies = [single] * len(layers)
         if every is not None:
             check_positive_int(every, "every")
-            modes = ["full" if i % every == 0 else mode_or_list for i in range(len(layers))]
+            policies = [resolve("full") if i % every == 0 else single for i in range(len(layers))]
     elif isinstance(mode_or_list, (list, tuple)):
         if every is not None:
             raise ValueError("every applies to a single mode, not to a list of modes")
-        modes = [check_mode(m) for m in mode_or_list]
-        if len(modes) != len(layers):
-            raise ValueError(f"got {len(modes)} modes for {len(layers)} SelectiveDecoderLayers")
+        policies = [resolve(m, "mode_or_list") for m in mode_or_list]
+        if len(policies) != len(layers):
+            raise ValueError(f"got {len(policies)} modes for {len(layers)} SelectiveDecoderLayers")
     else:
-        raise TypeError(f"mode_or_list must be a mode string or a list of modes, got {type(mode_or_list).__name__}")
-    for layer, mode in zip(layers, modes):
-        layer.recompute = mode
-    return modes
+        raise TypeError(f"mode_or_list must be a mode string, a LayerPolicy or a list of them, got "
+                        f"{type(mode_or_list).__name__}")
+    if any(p.offloaded for p in policies):
+        engine = _shared_engine(layers, engine, prefetch, host_bytes, strict)
+    elif engine is not None:
+        raise ValueError("engine is given but no policy offloads anything")
+    for layer, p in zip(layers, policies):
+        layer.policy = p
+        layer.engine = engine
+    return policies
 
 
-__all__ = ["SelectiveDecoderLayer", "set_recompute", "RECOMPUTE_MODES"]
+def _shared_engine(layers, engine, prefetch, host_bytes, strict):
+    from .keeping.offload import OffloadEngine
+
+    if engine is not None:
+        if not isinstance(engine, OffloadEngine):
+            raise TypeError(f"engine must be a selective_ckpt.keeping.OffloadEngine, got {type(engine).__name__}")
+        return engine
+    existing = {id(s.engine): s.engine for s in layers if s.engine is not None}
+    if len(existing) == 1:
+        return next(iter(existing.values()))
+    return OffloadEngine(prefetch=prefetch, host_bytes=host_bytes, strict=strict)
+
+
+def set_policy(model, policy_or_list, every=None, **offload):
+    """set_recompute under the name of what it sets: one keeping.LayerPolicy (or mode) for every layer, or one
+    per layer; `offload` takes set_recompute's engine options."""
+    return set_recompute(model, policy_or_list, every, **offload)
+
+
+__all__ = ["SelectiveDecoderLayer", "set_policy", "set_recompute", "RECOMPUTE_MODES"]

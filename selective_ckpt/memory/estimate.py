@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from .. import rng
+from ..keeping.policy import resolve, split_parts
 from ..validation import GATED_ACTIVATIONS, check_layer_shape, check_mode, check_positive_int
 from .units import as_dtype
 
@@ -40,6 +41,11 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     Dropout keeps an 8-byte seed tensor per site that is on (rates `dropout`, `attn_dropout` as in
     the layer, training): attention probabilities, proj output, MLP output; "full" keeps none.
     `breakdown=True` returns a dict of the parts (bytes) instead of the total.
+
+    `recompute` is a mode or a keeping.LayerPolicy: its mode decides what is kept; what it offloads is kept in
+    host memory instead. `breakdown="class"` returns {class: {"device": bytes, "host": bytes}}
+    (keeping.split_parts) for a layer whose offload is issued, "class-last" for the model's last layer, whose
+    offload never is (its backward runs first).
 
     Training configurations (docs/DESIGN.md, "The floor under training configurations"): `dtype` is
     the dtype attention and the matmuls run in (autocast's under autocast), `residual_dtype` that of
@@ -79,7 +85,10 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     rms = layer_kwargs.get("norm", "layernorm") == "rmsnorm"
     check_positive_int(seq_len, "seq_len")
     check_positive_int(batch, "batch")
-    check_mode(recompute)
+    layer_policy = resolve(recompute, "recompute")
+    recompute = layer_policy.recompute
+    if breakdown not in (False, True, "class", "class-last"):
+        raise ValueError(f"breakdown must be False, True, 'class' or 'class-last', got {breakdown!r}")
     if qk_norm not in (None, False, True, "projection"):
         raise ValueError(f"qk_norm must be None, True (per head) or 'projection' (q/k norms over the whole "
                          f"projection), got {qk_norm!r}")
@@ -142,6 +151,8 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
             parts["seeds"] = 8 * sites
         if lora is not None:
             parts.update(lora.kept(t))
+    if breakdown in ("class", "class-last"):
+        return split_parts(parts, layer_policy, offloaded=breakdown == "class")
     return parts if breakdown else sum(parts.values())
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .. import recompute
+from ..keeping import pipeline
 from ..registry import state_of
 from ..storages import storage_id
 from .units import columns, format_bytes
@@ -34,6 +34,8 @@ class SavedEntry:
     op: str  # the op that allocated the storage (aten/custom op name), "input" if it predates the run
     grad_fn: str  # grad_fn class name of the saved tensor ("-" for none)
     views: int = 1  # how many saved tensors share this storage
+    kind: str = "other"  # its class (keeping.policy.CLASSES), as the layer's pipeline named it
+    residence: str = "device"  # "host" when the layer's offload engine copies it out after the layer
 
 
 class LedgerReport:
@@ -62,12 +64,33 @@ class LedgerReport:
     def by_op(self):
         return self._group("op")
 
+    @property
+    def device_bytes(self):
+        """Bytes kept on the device."""
+        return sum(e.bytes for e in self.entries if e.residence == "device")
+
+    @property
+    def host_bytes(self):
+        """Bytes an offload engine holds in host memory."""
+        return sum(e.bytes for e in self.entries if e.residence == "host")
+
+    def by_class(self, layer=None):
+        """{class: {"device": bytes, "host": bytes}} over every entry, or over one layer's (a by_layer key)."""
+        out = OrderedDict()
+        for e in self.entries:
+            if layer is None or e.layer == layer:
+                out.setdefault(e.kind, {"device": 0, "host": 0})[e.residence] += e.bytes
+        return out
+
     def table(self) -> str:
-        head = ("layer", "module", "op", "grad_fn", "shape", "dtype", "views", "bytes")
-        rows = [(e.layer, e.module, e.op, e.grad_fn, "x".join(map(str, e.shape)) or "scalar",
+        head = ("layer", "module", "op", "grad_fn", "class", "where", "shape", "dtype", "views", "bytes")
+        rows = [(e.layer, e.module, e.op, e.grad_fn, e.kind, e.residence, "x".join(map(str, e.shape)) or "scalar",
                  str(e.dtype).replace("torch.", ""), str(e.views), str(e.bytes)) for e in self.entries]
         pad = ("",) * (len(head) - 2)
         rows.append(("total", *pad, f"{self.total} ({format_bytes(self.total)})"))
+        if self.host_bytes:
+            rows.append(("on the device", *pad, f"{self.device_bytes} ({format_bytes(self.device_bytes)})"))
+            rows.append(("in host memory", *pad, f"{self.host_bytes} ({format_bytes(self.host_bytes)})"))
         layers = self.by_layer
         if len(layers) > 1 or "-" not in layers:
             rows += [("",) * len(head)]
@@ -138,6 +161,7 @@ class _Recorder:
         self.producers = None
         self.sac_modes = []  # selective-checkpoint caching modes created while recording
         self.keep_alive = []  # saved tensors stay referenced so no storage address is reused mid-run
+        self.offloaded = []  # (entry, the offload engine's handle): where each one ends is read after the forward
         for obj in exclude:
             if isinstance(obj, nn.Module):
                 self._exclude_module(obj)
@@ -181,14 +205,19 @@ class _Recorder:
         layer = next((self.name(m) for m in reversed(self.stack) if self.is_layer(m)), "-")
         return module, layer
 
-    def add(self, t, op=None):
+    def add(self, t, op=None, kind="other", handle=None):
         if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
             return
         key, nbytes = storage_key(t)
         if key in self.excluded:
             return
         if key in self.entries:
-            self.entries[key].views += 1
+            entry = self.entries[key]
+            entry.views += 1
+            if entry.kind == "other":
+                entry.kind = kind
+            if handle is not None:
+                self.offloaded.append((entry, handle))
             return
         if nbytes == 0:
             return
@@ -198,8 +227,21 @@ class _Recorder:
             op = self.producers.by_key.get(key) if self.producers is not None else None
             op = op or (grad_fn if fn is not None else "input")
         module, layer = self.where()
-        self.entries[key] = SavedEntry(tuple(t.shape), t.dtype, nbytes, module, layer, op, grad_fn)
+        self.entries[key] = SavedEntry(tuple(t.shape), t.dtype, nbytes, module, layer, op, grad_fn, kind=kind)
+        if handle is not None:
+            self.offloaded.append((self.entries[key], handle))
         self.keep_alive.append(t)
+
+    def note(self, t, kind, handle):
+        """What a layer's pipeline keeps (keeping.pipeline.observe): t of class `kind`, offloaded when `handle`."""
+        self.add(t, kind=kind, handle=handle)
+
+    def settle(self):
+        """Residences after the forward: an offloaded storage is in host memory once its engine copied it out
+        (every layer's but the last, whose backward runs first)."""
+        for entry, handle in self.offloaded:
+            if handle.offloaded:
+                entry.residence = "host"
 
     def pack(self, t):
         self.add(t)
@@ -227,8 +269,9 @@ def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), trac
     what runs inside it is not kept and is not counted. Outputs cached by selective checkpointing
     bypass the hooks: use `sac_context_fn`, which reports them here. So do 0-dim Python-number
     operands autograd keeps (8 bytes each, e.g. PEFT LoRA's `* scaling`): they are not counted.
-    Recompute scopes inside (converted layers) run as they do without the ledger: it counts what
-    they keep, not what they drop. The forward's outputs are
+    Layer pipelines inside (keeping.pipeline) run as they do without the ledger: it counts what
+    they keep, not what they drop, with each tensor's class (`SavedEntry.kind`) and where it ends
+    (`residence`: "host" for what an offload engine copies out); `by_class()` sums them. The forward's outputs are
     dropped before returning, so the graph and its saved tensors are freed.
     """
     if not callable(fn_or_module):
@@ -253,7 +296,7 @@ def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), trac
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t))
             # recompute scopes inside run as they do without the ledger and show it what they keep
-            stack.enter_context(recompute.observe(rec.pack))
+            stack.enter_context(pipeline.observe(rec))
             out = fn_or_module(*inputs, **kwargs)
             for mode in rec.sac_modes:  # what selective checkpointing cached and the policy did not report
                 for leaf in tree_flatten(list(_sac_cache(mode)))[0]:
@@ -263,8 +306,10 @@ def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), trac
         _ACTIVE.remove(rec)
         for h in handles:
             h.remove()
+    rec.settle()
     report = LedgerReport(rec.entries.values())
     rec.keep_alive.clear()
+    rec.offloaded.clear()
     return report
 
 

@@ -7,9 +7,10 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from ..keeping.policy import resolve
 from ..registry import recomputable_layers, state_of
 from ..validation import RECOMPUTE_MODES as MODES
-from ..validation import check_mode, check_positive_int
+from ..validation import check_positive_int
 from .estimate import check_shape, estimate, recompute_flops
 from .units import as_dtype, format_bytes
 
@@ -104,15 +105,20 @@ def _layers_of(model_or_shape, num_layers):
     return [shape] * num_layers
 
 
-def _layer_figures(shape, batch, seq_len):
-    """{mode: (kept bytes, re-run working set, cost)} for one layer."""
+def _layer_figures(shape, batch, seq_len, modes=MODES):
+    """{mode or policy: (device bytes kept, re-run working set, cost)} for one layer; what a policy offloads
+    is in host memory and does not count against the device budget."""
     kw = shape.layer_kwargs()
     est = functools.partial(estimate, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.dtype, shape.mlp_ratio,
                             **kw, **shape.kept_kwargs())
     cost = functools.partial(recompute_flops, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.mlp_ratio,
                              causal=shape.causal, **kw)
     rerun = est("selective") - est("full")  # a full layer's re-run keeps its selective set again, once
-    return {m: (est(m), rerun if m == "full" else 0, cost(m)) for m in MODES}
+
+    def device(m):
+        return sum(v["device"] for v in est(m, breakdown="class").values())
+    return {m: (device(m), rerun if resolve(m).recompute == "full" else 0, cost(resolve(m).recompute))
+            for m in modes}
 
 
 def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes=MODES):
@@ -135,6 +141,10 @@ def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes
     cost; ties go to fewer kept bytes. Full layers are placed first, since their re-run happens
     last in backward, when the fewest activations are still kept.
 
+    `modes` may hold keeping.LayerPolicy objects (e.g. keeping.policy("selective", offload=["mlp"])): what a
+    policy offloads is held in host memory, not against the budget (an offloaded layer still holds its
+    tensors on the device until the next layer's forward has begun: the budget's margin must cover one layer).
+
     Returns a Plan (a list of modes, one per layer, plus cost_flops, kept_bytes, peak_bytes and
     max_batch: the largest batch that fits with every layer in one mode, per mode). An infeasible
     budget raises ValueError stating the minimum.
@@ -147,7 +157,7 @@ def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes
     if not modes:
         raise ValueError("modes must name at least one recompute mode")
     for m in modes:
-        check_mode(m)
+        resolve(m, "modes")
     shapes = _layers_of(model_or_shape, num_layers)
 
     # Group identical layers: within a group only the counts per mode matter.
@@ -159,7 +169,7 @@ def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes
     # with dominated states (more bytes, more working set and more cost) pruned.
     states = {(0, 0): (0, ())}
     for shape, idx in groups.items():
-        fig = _layer_figures(shape, batch, seq_len)
+        fig = _layer_figures(shape, batch, seq_len, modes)
         n = len(idx)
         new = {}
         for (kept, work), (cost, choice) in states.items():
@@ -186,7 +196,8 @@ def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes
             f"{best!r}; largest batch per mode at this budget: {max_batch}")
     (kept, work), (cost, choice) = min(states.items(), key=lambda kv: (kv[1][0], kv[0][0] + kv[0][1]))
     out = [None] * len(shapes)
-    order = [m for m in ("full", "selective", "none") if m in modes]
+    # full layers first (their re-run comes last in backward), then by what they keep
+    order = sorted(modes, key=lambda m: ("full", "selective", "none").index(resolve(m).recompute))
     for idx, counts in zip(groups.values(), choice):
         per_mode = dict(zip(modes, counts))
         seq = [m for m in order for _ in range(per_mode[m])]
@@ -216,7 +227,7 @@ def _pareto(states):
 
 
 def _peak(shapes, batch, seq_len, modes):
-    figs = [_layer_figures(s, batch, seq_len) for s in shapes]
+    figs = [_layer_figures(s, batch, seq_len, set(modes)) for s in shapes]
     return sum(f[m][0] for f, m in zip(figs, modes)) + max(f[m][1] for f, m in zip(figs, modes))
 
 

@@ -14,8 +14,9 @@ import pkgutil
 
 from torch import nn
 
-from ..layers import SelectiveDecoderLayer
-from ..validation import check_mode
+from ..keeping.policy import resolve
+from ..layers import SelectiveDecoderLayer, set_recompute
+from ..registry import recomputable_layers, state_of
 from . import checkpointing, eager, hf
 from .common import ConversionError
 from .peft import plan_adapters
@@ -51,8 +52,9 @@ def convert(model, recompute="selective"):
     SelectiveDecoderLayers (the returned model is the new layer when `model` itself is one).
     Raises ConversionError naming the module, the model type and what is supported, before any change.
     Layers under transformers' gradient checkpointing before convert stay "full" (models/checkpointing.py).
+    `recompute` is a mode or a keeping.LayerPolicy (what a layer keeps, offloads and rebuilds).
     """
-    check_mode(recompute)
+    layer_policy = resolve(recompute, "recompute")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     root = hf.hf_root(model)
@@ -65,10 +67,17 @@ def convert(model, recompute="selective"):
         layers, patches = hf.plan(root, spec, model_type)
         patches = patches + plan_adapters(model)
         checkpointed = checkpointing.checkpointed(layers)  # what the user enabled stays enabled: "full"
-        hf.apply(root, layers, patches, recompute, spec)
+        hf.apply(root, layers, patches, layer_policy, spec)
         checkpointing.keep_checkpointed(checkpointed)
-        return model
-    return _convert_eager(model, recompute)
+        return _with_engine(model, layer_policy)
+    return _with_engine(_convert_eager(model, layer_policy), layer_policy)
+
+
+def _with_engine(model, layer_policy):
+    """A policy that offloads gets the model's one offload engine (set_recompute makes it)."""
+    if layer_policy.offloaded:
+        set_recompute(model, [state_of(m).policy for m in recomputable_layers(model)])
+    return model
 
 
 def _convert_eager(model, recompute):

@@ -7,9 +7,9 @@ import logging
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .. import recompute
+from ..keeping import pipeline
+from ..keeping.policy import NAMED, resolve
 from ..registry import STATE
-from ..validation import check_mode
 from .patches import PATCHED, patch_forward
 
 
@@ -32,15 +32,18 @@ def copy_param(dst, src, transpose=False):
 
 
 class ConvertedLayerState:
-    """The recompute mode of a converted Hugging Face decoder layer (what set_recompute sets).
+    """The policy of a converted Hugging Face decoder layer (what set_recompute sets): what it keeps, offloads
+    and rebuilds (keeping.policy), and the model's offload engine when the policy offloads.
 
-    "selective": norm and activation outputs are dropped and rebuilt (recompute.scope around the
-    layer); "none": they are kept; "full": transformers' own gradient checkpointing of the layer
-    (so `model.gradient_checkpointing_enable()` reads as "full" on every layer).
+    "selective": norm and activation outputs are dropped and rebuilt (the layer's keeping.pipeline);
+    "none": they are kept; "full": transformers' own gradient checkpointing of the layer (so
+    `model.gradient_checkpointing_enable()` reads as "full" on every layer), its input offloaded when the
+    policy says so.
     """
 
     def __init__(self, layer, mode, shape_of=None, name=None):
         self.layer = layer
+        self.engine = None  # the model's keeping.offload.OffloadEngine while a policy offloads
         self.recompute = mode
         self._shape_of = shape_of
         self.name = name or type(layer).__name__
@@ -52,11 +55,11 @@ class ConvertedLayerState:
     def watch_casts(self):
         """Whether the layer's forward casts between dtypes (autocast, or floating parameters of several
         dtypes: fp32 adapters or norms beside a 16-bit base), so casts of dropped outputs are watched and
-        rebuilt too (recompute.scope). A quantized base's integer weights do not count: its matmul keeps
+        rebuilt too (keeping.pipeline). A quantized base's integer weights do not count: its matmul keeps
         nothing of its input (4-bit), or convert drops what it keeps (8-bit), and watching costs a Python
         dispatch per op (6 of the 14 ms of CPU time a small QLoRA step added). Its bias does: bitsandbytes
         casts it to the compute dtype in place at the first forward."""
-        if recompute.autocast_on():
+        if pipeline.autocast_on():
             return True
         dtypes = {p.dtype for p in self.layer.parameters() if p.is_floating_point()}
         return len(dtypes) > 1
@@ -68,22 +71,37 @@ class ConvertedLayerState:
         return {**self._shape_of(self.layer), "dtype": next(self.layer.parameters()).dtype}
 
     @property
-    def recompute(self):
-        return "full" if getattr(self.layer, "gradient_checkpointing", False) else self._mode
+    def policy(self):
+        """The layer's keeping.LayerPolicy; "full" whenever transformers' checkpointing is on for the layer."""
+        if getattr(self.layer, "gradient_checkpointing", False):
+            return self._policy if self._policy.recompute == "full" else NAMED["full"]
+        return self._policy if self._policy.recompute != "full" else NAMED["selective"]
 
-    @recompute.setter
-    def recompute(self, mode):
-        check_mode(mode)
-        self.full_asked = mode == "full"  # not transformers' checkpointing switched on around us
+    @policy.setter
+    def policy(self, value):
+        value = resolve(value)
+        self.full_asked = value.recompute == "full"  # not transformers' checkpointing switched on around us
         layer = self.layer
-        if mode == "full":
+        if self.full_asked:
             if getattr(layer, "_gradient_checkpointing_func", None) is None:
                 layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
             layer.gradient_checkpointing = True
-            self._mode = "selective"
         else:
             layer.gradient_checkpointing = False
-            self._mode = mode
+        self._policy = value
+
+    @property
+    def recompute(self):
+        return self.policy.recompute
+
+    @recompute.setter
+    def recompute(self, mode):
+        self.policy = mode
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["engine"] = None  # streams and pinned host memory belong to a process: set_recompute makes anew
+        return state
 
 
 @contextlib.contextmanager
@@ -118,7 +136,8 @@ def _attention_reads_own_kv(caches):
 
 def _decoder_layer_forward(self, *args, **kwargs):
     state = getattr(self, STATE)
-    mode = state.recompute
+    policy = state.policy
+    mode = policy.recompute
     grad = torch.is_grad_enabled()
     if grad and self.training:
         from .peft import check_layer
@@ -136,8 +155,12 @@ def _decoder_layer_forward(self, *args, **kwargs):
         kwargs = {k: (None if isinstance(v, Cache) else v) for k, v in kwargs.items()}
         kwargs["use_cache"] = False
         caches = []
-    selective = mode == "selective" and grad
-    with recompute.scope(selective, watch_casts=selective and state.watch_casts()), _attention_reads_own_kv(caches):
+    # Under "full" the layer's forward is checkpointed inside (transformers wraps the class's forward), and the
+    # pipeline sees only the checkpoint's saved inputs: the layer input, offloaded when the policy says so.
+    x = args[0] if args else kwargs.get("hidden_states")
+    watch = mode == "selective" and grad and state.watch_casts()
+    keeping = pipeline.scope(policy, state.engine, layer_input=x, watch_casts=watch)
+    with keeping, _attention_reads_own_kv(caches):
         return getattr(self, PATCHED)(*args, **kwargs)
 
 

@@ -182,7 +182,12 @@ def plan(root, spec, model_type):
             elif role == "mlp":
                 check_children(module, f"{lname}.{child}", spec.mlp.children, model_type)
                 _check_activation(module, f"{lname}.{child}", model_type, spec)
-    patches = [(m, _norm_forward(spec.norm)) for _, m in modules_of(root, spec.norm.cls)]
+    qk_norms = set()
+    if spec.qk_norm:
+        attention_child = _child_of_role(spec, "attention")
+        qk_norms = {id(getattr(getattr(layer, attention_child), n)) for _, layer in layers for n in ("q_norm", "k_norm")}
+    patches = [(m, _norm_forward(spec.norm, "qkv" if id(m) in qk_norms else "residual"))
+               for _, m in modules_of(root, spec.norm.cls)]
     if spec.dropout:
         dropouts = [m for m in root.modules() if type(m) is nn.Dropout]
         if any(d.inplace for d in dropouts):
@@ -196,12 +201,17 @@ def plan(root, spec, model_type):
     return [m for _, m in layers], patches
 
 
-def _norm_forward(norm):
+def _norm_forward(norm, kept):
+    """The patched forward of a norm whose input is of class `kept` (keeping.policy) when nothing named it."""
     if norm.rounding == "float32_scale":
-        return own_forward_norm
-    if norm.kind == "layernorm":
-        return layer_norm_forward
-    return rms_norm_forward if norm.offset == 0 else functools.partial(rms_norm_forward, offset=float(norm.offset))
+        forward = own_forward_norm
+    elif norm.kind == "layernorm":
+        forward = layer_norm_forward
+    elif norm.offset == 0:
+        forward = rms_norm_forward
+    else:
+        forward = functools.partial(rms_norm_forward, offset=float(norm.offset))
+    return forward if kept == "residual" else functools.partial(forward, kept=kept)
 
 
 def _mlp_forward(mlp):

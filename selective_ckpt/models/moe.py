@@ -32,7 +32,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from .. import recompute
+from ..keeping import pipeline as recompute
 from ..activations import has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
 from ..memory.estimate import MoE

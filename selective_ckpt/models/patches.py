@@ -2,13 +2,14 @@
 
 Modules, parameters and names stay; only `forward` of the instance is replaced. Each patched
 forward keeps what its own backward needs (a norm: its input and statistics; an activation: its
-input(s)) and hands its output to `recompute.discardable`, so whatever consumes the output (a
+input(s)) and hands its output to `keeping.discardable`, so whatever consumes the output (a
 Linear, a LoRA layer, a quantized Linear) keeps a placeholder instead, rebuilt once in backward.
 """
 
 import torch
 
-from .. import recompute, rng
+from .. import rng
+from ..keeping import pipeline
 from ..activations import GELU_APPROXIMATE, has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
 from ..ops.dropout import dropout_op
@@ -44,11 +45,20 @@ def restore_patches(root):
     return restored
 
 
+def norm_input(x, kept):
+    """Names the class of a norm's input (keeping.policy) unless one was named before: the layer input x stays
+    "input"; x1 and the post-norms' inputs are "residual"; a q/k norm's input (a q or k projection output) is
+    "qkv" (its patch is given kept="qkv")."""
+    pipeline.tag(x, kept, if_untagged=True)
+
+
 # --- LayerNorm (GPT-2): the fused kernel keeps x, mean, rstd; the output is rebuilt from them.
 
-def layer_norm_forward(self, x):
+def layer_norm_forward(self, x, kept="residual"):
     """nn.LayerNorm, or a LayerNorm without bias that holds `variance_epsilon` (CohereLayerNorm, which computes
-    in fp32 and rounds once: a weight of another dtype than x runs its own forward, rounding as it does)."""
+    in fp32 and rounds once: a weight of another dtype than x runs its own forward, rounding as it does).
+    `kept`: the class of x when nothing named one before (norm_input)."""
+    norm_input(x, kept)
     bias = getattr(self, "bias", None)
     if not isinstance(self, torch.nn.LayerNorm) and (self.weight.dtype != x.dtype or self.weight.shape != x.shape[-1:]):
         return getattr(self, PATCHED)(x)
@@ -56,18 +66,19 @@ def layer_norm_forward(self, x):
     b = None if bias is None else bias.to(x.dtype)
     eps = self.eps if hasattr(self, "eps") else self.variance_epsilon
     y, mean, rstd = layer_norm_fwd(x, w, b, float(eps))
-    return recompute.discardable(y, layer_norm_apply, x, w, b, mean, rstd)
+    return pipeline.discardable(y, layer_norm_apply, x, w, b, mean, rstd)
 
 
 # --- RMSNorm (Llama, Mistral, Qwen2, Qwen3 incl. q/k norms): the fused kernel in Hugging Face's rounding
 # order for the offset (ops/rms_norm.py); keeps x and the fp32 rstd, the output is rebuilt from them.
 
-def rms_norm_forward(self, x, offset=0.0):
+def rms_norm_forward(self, x, offset=0.0, kept="residual"):
     """y = x * rstd * (offset + weight); a model spec's norm offset arrives through functools.partial."""
+    norm_input(x, kept)
     eps = float(self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps)
     if self.weight.dtype == x.dtype:
         y, rstd = rms_norm_fwd(x, self.weight, eps, offset)
-        return recompute.discardable(y, rms_norm_apply, x, self.weight, rstd, offset)
+        return pipeline.discardable(y, rms_norm_apply, x, self.weight, rstd, offset)
     if offset:
         # a (1 + w) norm with a weight of another dtype: computed as transformers does
         return getattr(self, PATCHED)(x)
@@ -77,9 +88,9 @@ def rms_norm_forward(self, x, offset=0.0):
     # is one eager multiply whose output is rebuilt like the norm's.
     ones = torch.ones(self.weight.shape, dtype=x.dtype, device=x.device)
     n, rstd = rms_norm_fwd(x, ones, eps, 0.0)
-    n = recompute.discardable(n, rms_norm_apply, x, ones, rstd, 0.0)
+    n = pipeline.discardable(n, rms_norm_apply, x, ones, rstd, 0.0)
     y = self.weight * n
-    return recompute.discardable(y, _weighted_rms_norm, x, ones, rstd, self.weight)
+    return pipeline.discardable(y, _weighted_rms_norm, x, ones, rstd, self.weight)
 
 
 def _weighted_rms_norm(x, ones, rstd, weight):
@@ -90,10 +101,11 @@ def _weighted_rms_norm(x, ones, rstd, weight):
 # rounded once): the module's own forward, in an autograd node that keeps x only and runs that forward again
 # under autograd in backward (the statistics are recomputed with it); the output is rebuilt from x.
 
-def own_forward_norm(self, x):
+def own_forward_norm(self, x, kept="residual"):
     """The norm's original forward, bit for bit, keeping its input only (see _ModuleActivation)."""
+    norm_input(x, kept)
     out = _ModuleActivation.apply(self, x, None, *self.parameters())
-    return recompute.discardable(out, _module_product, self, x, None)
+    return pipeline.discardable(out, _module_product, self, x, None)
 
 
 # --- Activations: the module's own activation, through the kernels when it is one of theirs.
@@ -115,7 +127,7 @@ class _GELU(torch.autograd.Function):
 
 def gelu(h, approximate):
     a = _GELU.apply(h, approximate)
-    return recompute.discardable(a, gelu_op, h.contiguous(), approximate)
+    return pipeline.discardable(a, gelu_op, h.contiguous(), approximate)
 
 
 def _own(module):
@@ -166,23 +178,27 @@ def activate(act_fn, h, up=None):
     keeps h (and up) and is rebuilt from them; with hooks of its own it is called as a module (its
     hooks run) and its output is kept (a hook may have changed it), only the product is rebuilt.
     """
+    pipeline.tag(h, "mlp")  # the MLP's matmul outputs (keeping.policy's classes)
+    if up is not None:
+        pipeline.tag(up, "mlp")
     kernel = kernel_activation(act_fn)
     if kernel is not None and (up is not None or kernel in GELU_APPROXIMATE):  # no plain-SiLU kernel
         if up is None:
             return gelu(h, GELU_APPROXIMATE[kernel])
         p = gated_product(h, up, kernel)
-        return recompute.discardable(p, gated_product_op, h, up, kernel)
+        return pipeline.discardable(p, gated_product_op, h, up, kernel)
     if has_own_hooks(act_fn):
         a = act_fn(h)
-        return a if up is None else recompute.discardable(a * up, torch.mul, a, up)
+        return a if up is None else pipeline.discardable(a * up, torch.mul, a, up)
     out = _ModuleActivation.apply(act_fn, h, up, *act_fn.parameters())
-    return recompute.discardable(out, _module_product, act_fn, h, up)
+    return pipeline.discardable(out, _module_product, act_fn, h, up)
 
 
 # --- The gated MLP (Llama-shaped models): act(gate) * up, keeping gate and up.
 
 def swiglu_mlp_forward(self, x):
     """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(act_fn(gate(x)) * up(x)), projections as modules."""
+    pipeline.tag(x, "residual", if_untagged=True)  # x1 where no norm precedes the MLP (post-norm layers)
     gate, up = self.gate_proj(x), self.up_proj(x)
     return self.down_proj(activate(self.act_fn, gate, up))
 
@@ -191,6 +207,7 @@ def packed_gate_up_mlp_forward(self, x):
     """Phi3MLP: gate and up are the two halves of the one gate_up_proj output (as transformers chunks it);
     the product act(gate) * up (transformers' up * act(gate), the same bits) is rebuilt from them, so
     the packed output is all the MLP keeps before down_proj."""
+    pipeline.tag(x, "residual", if_untagged=True)
     gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
     return self.down_proj(activate(self.activation_fn, gate, up))
 
@@ -217,13 +234,14 @@ def dropout_by_seed(x, p, training):
     if p == 1:
         return torch.zeros_like(x)
     p, seed = float(p), rng.draw_seed_tensor(x.device)
-    return recompute.discardable(dropout_op(x, p, seed), dropout_op, recompute.source(x), p, seed)
+    return pipeline.discardable(dropout_op(x, p, seed), dropout_op, pipeline.source(x), p, seed)
 
 
 def gelu_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="dropout"):
     """The forward of a plain MLP dropout(fc_out(act(fc_in(x)))) with these child names (GPT2MLP's by
     default; dropout None for none), its activation applied by `activate`."""
     def forward(self, hidden_states):
+        pipeline.tag(hidden_states, "residual", if_untagged=True)
         h = getattr(self, fc_in)(hidden_states)
         out = getattr(self, fc_out)(activate(getattr(self, act), h))
         return out if dropout is None else getattr(self, dropout)(out)

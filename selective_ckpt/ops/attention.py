@@ -15,6 +15,7 @@ import torch
 
 from .. import backend, rng
 from ..double_backward import first_order_only
+from ..keeping import pipeline
 from ..validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool
 
 
@@ -79,6 +80,10 @@ def _(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, sliding_window,
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p, ctx.softmax_scale, seed, ctx.softcap = inputs
     o, lse = output
+    for t in (q, k, v):
+        pipeline.tag(t, "qkv")
+    pipeline.tag(o, "attention")
+    pipeline.tag(lse, "attention")
     ctx.save_for_backward(q, k, v, o, lse, mask, cu_seqlens, seed)
 
 

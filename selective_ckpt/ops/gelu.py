@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .. import backend, rng
 from ..double_backward import first_order_only
+from ..keeping import pipeline
 from ..validation import check_choice, check_linear, check_operands
 from .dropout import dropout_op
 
@@ -163,6 +164,9 @@ class _GeluMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation):
         y, h, a = mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation)
+        pipeline.tag(h, "mlp")
+        if a is not None:
+            pipeline.tag(a, "norm_act")
         ctx.save_for_backward(x, h, a, w1, b1, w2, b2, seed if dropout_p else None)
         ctx.dropout_p, ctx.approximate = dropout_p, approximate
         return y

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .. import backend, rng
 from ..double_backward import first_order_only
+from ..keeping import pipeline
 from ..validation import check_choice, check_floating, check_linear, check_operands
 from .dropout import dropout_op
 
@@ -94,10 +95,19 @@ def _(grad, gate, up, activation):
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
+def _tag_kept(gate, up, product=None):
+    """The classes of what the gated MLP keeps (keeping.policy): matmul outputs, and the product when stored."""
+    pipeline.tag(gate, "mlp")
+    pipeline.tag(up, "mlp")
+    if product is not None:
+        pipeline.tag(product, "norm_act")
+
+
 class _GatedProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, activation):
         ctx.activation = activation
+        _tag_kept(gate, up)
         ctx.save_for_backward(gate, up)
         return gated_product_op(gate, up, activation)
 
@@ -206,6 +216,7 @@ class _GatedMLP(torch.autograd.Function):
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, dropout_p, activation, seed, store_product):
         y, gate, up, a = gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, dropout_p, activation,
                                            seed, store_product)
+        _tag_kept(gate, up, a)
         ctx.save_for_backward(x, gate, up, a, w_gate, b_gate, w_up, b_up, w_down, b_down,
                               seed if dropout_p else None)
         ctx.dropout_p, ctx.activation = dropout_p, activation

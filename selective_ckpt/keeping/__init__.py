@@ -1,0 +1,10 @@
+"""What a forward keeps for backward, decided in one place: per layer and per class of tensor, keep it on the
+device, offload it to host memory, or rebuild it (policy); the one pack/unpack pipeline per layer that applies
+the policy (pipeline); the offload engine that copies to host and back (offload, streams).
+"""
+
+from .pipeline import active, autocast_on, discardable, observe, scope, source, tag
+from .policy import ACTIONS, CLASSES, NAMED, LayerPolicy, policy, resolve, split_parts
+
+__all__ = ["ACTIONS", "CLASSES", "NAMED", "LayerPolicy", "active", "autocast_on", "discardable", "observe", "policy",
+           "resolve", "scope", "source", "split_parts", "tag"]

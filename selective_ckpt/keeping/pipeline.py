@@ -1,0 +1,377 @@
+"""One pack/unpack pipeline per decoder layer: what its forward saves for backward is rebuilt, else offloaded,
+else kept, as the layer's policy (keeping.policy) says for the tensor's class.
+
+Rebuild (docs/DESIGN.md, "Converted models"): saved-tensor hooks keyed on the output's storage. Inside a
+layer's pipeline, a patched norm or activation calls `discardable(y, rebuild, *args)`. Whichever module then
+saves y (or a view of y) for its backward — a plain Linear, a PEFT LoRA layer, a quantized Linear — gets a small
+placeholder instead of the tensor, so nothing keeps y alive once the forward has moved on. The first consumer
+whose backward unpacks the placeholder calls `rebuild(*args)` once under no_grad; every other consumer of the
+same y (q, k, v projections, LoRA A) shares that result, which dies with the last placeholder.
+
+Consumers often save a *copy* of y rather than y: under autocast each Linear saves its own 16-bit cast, PEFT
+casts its input to the adapter's dtype, LoRA dropout makes a new tensor. So that these copies are rebuilt too, a
+pipeline can watch dtype casts (`aten._to_copy`, below autograd, so casts by autocast count as well): a cast of
+a registered output is registered in turn, rebuilt as the cast of the rebuilt output (the same bits as the cast
+the consumer saved), and `source(x)` hands a derived output's producer (LoRA dropout) a handle that rebuilds x
+instead of keeping it. A cast of a tensor that is not registered (the attention output, which attention keeps
+anyway; autocast's 16-bit copy of an fp32 weight) is rebuilt from that tensor when it is a parameter or no
+larger than the copy, so a substitution never costs bytes. Casts carry their source's class.
+
+Classes: the code that produces or saves a tensor names its class with `tag(t, cls)` (attention tags q, k, v and
+o, lse; the MLP ops their matmul outputs; the norm patches their inputs; the pipeline the layer input), and
+`discardable` outputs are "norm_act". A saved tensor of a class the policy offloads goes to the layer's offload
+engine (keeping.offload) and comes back, bit for bit, before its consumer's backward; an untagged one ("other":
+statistics, seeds, LoRA's rank-sized outputs) is kept.
+
+Why hooks and not freeing storage: nothing is mutated, so a consumer that reads y again in forward, a hook that
+inspects it or an in-place op that bumps its version stays correct (a saved tensor whose version moved since
+registration is saved as usual), and the rebuild happens exactly when a consumer first needs it, whatever order
+backward runs in. An edit through `.data` bumps no version and is not seen: y is rebuilt as it was before the
+edit.
+
+Pipelines are not entered under torch.compile (AOTAutograd decides what is saved there) nor inside another
+saved-tensor hook context (torch.utils.checkpoint, a user's own offloading): the outer mechanism then decides
+what is kept, and y is kept as usual. The one outer context a pipeline works under is an observer's (`observe`,
+used by memory.ledger): it is shown what the pipeline keeps and where (device or host), and nothing it drops.
+"""
+
+import contextlib
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..storages import PLAIN_TENSOR_TYPES, storage_id
+from .policy import OTHER, resolve
+
+_state = threading.local()
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+class _Rebuild:
+    """A dropped output: how to rebuild it, and the rebuilt value while consumers still need it.
+
+    `args` may hold sources (`_View`) of other dropped outputs; they are rebuilt first.
+    """
+
+    __slots__ = ("fn", "args", "value", "count")
+
+    def __init__(self, fn, args):
+        self.fn, self.args, self.value, self.count = fn, args, None, 0
+
+    def get(self):
+        if self.value is None:
+            self.count += 1
+            with torch.no_grad():
+                args = [a.get() if isinstance(a, _View) else a for a in self.args]
+                self.value = self.fn(*args).contiguous()
+        return self.value
+
+
+class _View:
+    """What a consumer's graph node keeps instead of y (or a view of y): the view's geometry."""
+
+    __slots__ = ("rebuild", "size", "stride", "offset")
+
+    def __init__(self, rebuild, size, stride, offset):
+        self.rebuild, self.size, self.stride, self.offset = rebuild, size, stride, offset
+
+    def get(self):
+        return self.rebuild.get().as_strided(self.size, self.stride, self.offset)
+
+
+class _Offloaded:
+    """What a consumer's graph node keeps instead of an offloaded tensor: the engine's handle."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def get(self):
+        return self.handle.get()
+
+
+def _cast(x, dtype):
+    return x.to(dtype)
+
+
+def _key(t):
+    """The storage a plain strided tensor lives in (storages.storage_id); None for subclasses, which are kept."""
+    if type(t) not in PLAIN_TENSOR_TYPES or t.layout != torch.strided:
+        return None
+    return storage_id(t)
+
+
+class _LayerPipeline:
+    def __init__(self, policy, engine, observer, registered=True):
+        self.policy = policy
+        # rebuild registered outputs (else they are kept, as in "none"); under "full" only the checkpoint's inputs
+        # pass through the pipeline (the layer's forward runs under the checkpoint's own hooks)
+        self.rebuilds = registered and policy.recompute == "selective"
+        self.engine = engine if policy.offloaded else None
+        self.outputs = {}  # storage_id -> (y, version at registration, _Rebuild)
+        self.casts = {}  # storage_id -> (weakref to the cast, weakref to its root, root version, dtypes)
+        self.tags = {}  # storage_id -> (weakref to a tensor of that storage, class)
+        self.observer = observer  # the observing context's recorder (memory.ledger), or None
+        self.classify = self.engine is not None or observer is not None  # else classes decide nothing
+
+    # --- classes
+
+    def tag(self, t, cls, if_untagged=False):
+        if not self.classify:
+            return
+        key = _key(t)
+        if key is None or (if_untagged and self.class_of(t) != OTHER):
+            return
+        self.tags[key] = (weakref.ref(t), cls)
+
+    def class_of(self, t):
+        key = _key(t)
+        found = self.tags.get(key) if key is not None else None
+        if found is None:
+            return OTHER
+        ref, cls = found
+        alive = ref()
+        if alive is None or storage_id(alive) != key:  # the tagged tensor died: its storage id may be reused
+            del self.tags[key]
+            return OTHER
+        return cls
+
+    # --- rebuild
+
+    def register(self, y, rebuild):
+        key = _key(y)
+        if key is not None:  # a subclass is kept as it is (view_of never finds one)
+            self.outputs[key] = (y, y._version, rebuild)
+
+    def view_of(self, t):
+        """A _View reading t back from a registered output, or None."""
+        key = _key(t)
+        entry = self.outputs.get(key) if key is not None else None
+        if entry is None:
+            entry = self._promote_cast(t, key)
+        if entry is None:
+            return None
+        y, version, rebuild = entry
+        # y is held by the pipeline, so its storage cannot have been reused; the version guards in-place edits.
+        if t.dtype != y.dtype or t._version != version or t.storage_offset() < y.storage_offset():
+            return None
+        return _View(rebuild, t.size(), t.stride(), t.storage_offset() - y.storage_offset())
+
+    def _promote_cast(self, t, key):
+        """Registers a cast of a kept tensor (not itself registered) as rebuilt from it, when that is
+        no larger than the cast; the root is then held instead of the copy."""
+        found = self.casts.get(key) if key is not None else None
+        if found is None:
+            return None
+        cast_ref, root_ref, root_version, dtypes = found
+        cast, root = cast_ref(), root_ref()
+        if cast is None:
+            return None
+        if root is None or root._version != root_version:
+            return None
+        if root.element_size() > cast.element_size() and not isinstance(root, torch.nn.Parameter):
+            return None  # holding the root would cost more than the copy; a parameter is held anyway
+        rebuild = _Rebuild(_cast_chain, (root, dtypes))
+        self.register(cast, rebuild)
+        del self.casts[key]
+        return self.outputs[key]
+
+    def note_cast(self, src, out):
+        """Called for every dtype cast while casts are watched: the cast carries src's class, and is rebuilt from
+        src when src is a registered output."""
+        if not out.is_contiguous() or _key(out) is None:
+            return
+        cls = self.class_of(src)
+        if cls != OTHER:
+            self.tag(out, cls)
+        view = self.view_of(src) if self.rebuilds else None
+        if view is not None:
+            self.register(out, _Rebuild(_cast, (view, out.dtype)))
+            return
+        key = _key(src)
+        if key is None:
+            return
+        prior = self.casts.get(key)
+        if prior is not None and prior[0]() is None:
+            prior = None  # a dead cast's storage reused by src: not a cast of that root
+        root_ref, version, dtypes = (weakref.ref(src), src._version, ()) if prior is None else prior[1:]
+        self.casts[_key(out)] = (weakref.ref(out), root_ref, version, (*dtypes, out.dtype))
+
+    # --- the hooks
+
+    def pack(self, t):
+        if self.rebuilds:
+            view = self.view_of(t)
+            if view is not None:
+                return view
+        cls = self.class_of(t)
+        if self.engine is not None and self.policy.action(cls) == "offload" and _offloadable(t):
+            handle = self.engine.offload(t)
+            if self.observer is not None:
+                self.observer.note(t, cls, handle)
+            return _Offloaded(handle)
+        if self.observer is not None:
+            self.observer.note(t, cls, None)
+        # A detached alias of a non-leaf, never t itself: a node saving its own output (attention's o and lse,
+        # a norm's statistics) would otherwise hold that output, whose grad_fn is the node, in a cycle through
+        # C++ that no garbage collector sees: a forward never followed by backward would keep its graph
+        # forever. A leaf (a parameter, maybe a subclass whose detach would drop its attributes) has no grad_fn
+        # to close a cycle and is kept as it is.
+        return t.detach() if t.grad_fn is not None else t
+
+    @staticmethod
+    def unpack(packed):
+        return packed.get() if isinstance(packed, (_View, _Offloaded)) else packed
+
+
+def _offloadable(t):
+    """A tensor the engine can copy and give back as it was: a plain strided non-leaf with data."""
+    return _key(t) is not None and t.grad_fn is not None and not isinstance(t, torch.nn.Parameter)
+
+
+def _cast_chain(root, dtypes):
+    for dtype in dtypes:
+        root = root.to(dtype)
+    return root
+
+
+class _CastWatcher(TorchDispatchMode):
+    """Reports each dtype cast in the layer's forward to its pipeline (below autograd and autocast)."""
+
+    def __init__(self, pipeline):
+        super().__init__()
+        self.pipeline = pipeline
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is _TO_COPY and type(out) in PLAIN_TENSOR_TYPES and args and isinstance(args[0], torch.Tensor):
+            if out.dtype != args[0].dtype:
+                self.pipeline.note_cast(args[0], out)
+        return out
+
+
+def _top_hooks():
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
+def autocast_on():
+    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+
+
+def needed(layer_policy, engine=None, registered=True):
+    """Whether a layer under `layer_policy` needs its pipeline: it rebuilds registered outputs (`registered`: the
+    layer's outputs are registered by discardable, not rebuilt by its own nodes), or its model offloads (every
+    layer then marks where its forward begins)."""
+    return (registered and resolve(layer_policy).recompute == "selective") or engine is not None
+
+
+@contextlib.contextmanager
+def scope(policy="selective", engine=None, layer_input=None, watch_casts=None, registered=True):
+    """Runs one layer's forward inside its pipeline (see the module doc); yields the pipeline or None.
+
+    `policy`: a mode or keeping.LayerPolicy; registered outputs are rebuilt when it rebuilds "norm_act".
+    `engine`: the model's offload engine (keeping.offload.OffloadEngine), used for the classes the policy
+    offloads. `layer_input`: the layer's input x, of class "input". `watch_casts`: also follow dtype casts
+    (default: whenever autocast is on). `registered=False`: the layer's own nodes rebuild what the policy
+    rebuilds (SelectiveDecoderLayer), so the pipeline only classifies and offloads. A no-op when the policy
+    needs no pipeline, when gradients are off,
+    under torch.compile and inside another saved-tensor hook context than an observer's. Pipelines do not
+    nest: an inner one takes over until it exits.
+    """
+    layer_policy = resolve(policy)
+    if layer_policy.offloaded and engine is None:
+        raise RuntimeError(f"the layer's policy ({layer_policy}) offloads but the layer has no offload engine: apply "
+                           "the policy with selective_ckpt.set_recompute(model, policy) on this model (an engine "
+                           "belongs to one process and model; copies and pickles of a model do not carry it)")
+    watching = getattr(_state, "observer", None)  # a ledger classifies what every layer keeps
+    if not (needed(layer_policy, engine, registered) or watching) or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        yield None
+        return
+    observer = None
+    top = _top_hooks()
+    if top is not None:
+        observer = watching
+        if observer is None or top[0] != observer.pack:
+            yield None
+            return
+    current = _LayerPipeline(layer_policy, engine, observer, registered)
+    if engine is not None:
+        engine.begin_layer()
+    if isinstance(layer_input, torch.Tensor):
+        current.tag(layer_input, "input")
+    previous = getattr(_state, "pipeline", None)
+    _state.pipeline = current
+    if watch_casts is None:
+        watch_casts = autocast_on()
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(current.pack, current.unpack))
+            if watch_casts:
+                stack.enter_context(_CastWatcher(current))
+            yield current
+    finally:
+        _state.pipeline = previous
+        current.outputs.clear()  # the pipeline's references to the outputs end with the forward
+        current.casts.clear()
+        current.tags.clear()
+
+
+@contextlib.contextmanager
+def observe(recorder):
+    """Lets pipelines run under the saved-tensor hooks whose pack is `recorder.pack` (a measuring tool's): a
+    pipeline entered inside then calls `recorder.note(t, cls, handle)` for every tensor it keeps (handle: the
+    offload engine's for an offloaded one, else None), and for none that it drops."""
+    previous = getattr(_state, "observer", None)
+    _state.observer = recorder
+    try:
+        yield
+    finally:
+        _state.observer = previous
+
+
+def _current():
+    return getattr(_state, "pipeline", None)
+
+
+def discardable(y, rebuild, *args):
+    """Registers y as a norm or activation output, rebuilt by `rebuild(*args)` (bit-identical, under no_grad)
+    when the layer's policy rebuilds those, if a pipeline is active. Returns y.
+
+    `args` should be tensors the producing op keeps for its own backward anyway (its input and
+    statistics), or `source(x)` handles, so the placeholder costs nothing.
+    """
+    current = _current()
+    if current is not None and isinstance(y, torch.Tensor) and y.is_contiguous() and torch.is_grad_enabled():
+        current.tag(y, "norm_act")
+        if current.rebuilds:
+            current.register(y, _Rebuild(rebuild, args))
+    return y
+
+
+def source(x):
+    """What a producer should hold to read x in backward: a rebuild handle when x is (a cast of) a
+    dropped output, else x itself."""
+    current = _current()
+    if current is None or not current.rebuilds or not isinstance(x, torch.Tensor):
+        return x
+    view = current.view_of(x)
+    return x if view is None else view
+
+
+def tag(t, cls, if_untagged=False):
+    """Names t's class (keeping.policy.CLASSES) for the active pipeline, if any; `if_untagged`: only when no class
+    was named for its storage yet. Returns t."""
+    current = _current()
+    if current is not None and isinstance(t, torch.Tensor):
+        current.tag(t, cls, if_untagged)
+    return t
+
+
+def active():
+    """Whether outputs registered now would be dropped (a rebuilding pipeline is active on this thread)."""
+    current = _current()
+    return current is not None and current.rebuilds
