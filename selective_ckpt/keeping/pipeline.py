@@ -228,8 +228,8 @@ class _LayerPipeline:
 
 
 def _offloadable(t):
-    """A tensor the engine can copy and give back as it was: a plain strided non-leaf with data."""
-    return _key(t) is not None and t.grad_fn is not None and not isinstance(t, torch.nn.Parameter)
+    """A tensor the engine can copy and give back as it was: a plain strided activation, not a parameter."""
+    return _key(t) is not None and not isinstance(t, torch.nn.Parameter)
 
 
 def _cast_chain(root, dtypes):
@@ -288,7 +288,8 @@ def scope(policy="selective", engine=None, layer_input=None, watch_casts=None, r
                            "the policy with selective_ckpt.set_recompute(model, policy) on this model (an engine "
                            "belongs to one process and model; copies and pickles of a model do not carry it)")
     watching = getattr(_state, "observer", None)  # a ledger classifies what every layer keeps
-    if not (needed(layer_policy, engine, registered) or watching) or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    wanted = needed(layer_policy, engine, registered) or watching
+    if not wanted or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         yield None
         return
     observer = None

@@ -184,8 +184,8 @@ def plan(root, spec, model_type):
                 _check_activation(module, f"{lname}.{child}", model_type, spec)
     qk_norms = set()
     if spec.qk_norm:
-        attention_child = _child_of_role(spec, "attention")
-        qk_norms = {id(getattr(getattr(layer, attention_child), n)) for _, layer in layers for n in ("q_norm", "k_norm")}
+        attn = _child_of_role(spec, "attention")
+        qk_norms = {id(getattr(getattr(layer, attn), n)) for _, layer in layers for n in ("q_norm", "k_norm")}
     patches = [(m, _norm_forward(spec.norm, "qkv" if id(m) in qk_norms else "residual"))
                for _, m in modules_of(root, spec.norm.cls)]
     if spec.dropout:

@@ -9,9 +9,9 @@ Linear, a LoRA layer, a quantized Linear) keeps a placeholder instead, rebuilt o
 import torch
 
 from .. import rng
-from ..keeping import pipeline
 from ..activations import GELU_APPROXIMATE, has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
+from ..keeping import pipeline
 from ..ops.dropout import dropout_op
 from ..ops.gelu import gelu_backward_op, gelu_op
 from ..ops.layer_norm import layer_norm_apply, layer_norm_fwd
