@@ -25,7 +25,8 @@ from torch.utils.checkpoint import checkpoint
 from . import fused, rng, rotary
 from .activations import ACTIVATIONS, GATED_LAYER_ACTIVATIONS
 from .keeping import pipeline
-from .keeping.policy import LayerPolicy, resolve
+from .keeping.attention_kept import attention_kept_checkpoint
+from .keeping.policy import CHECKPOINTED, LayerPolicy, resolve
 from .ops.attention import attention_fwd_op
 from .ops.dropout import dropout_op
 from .registry import recomputable, recomputable_layers, state_of
@@ -206,12 +207,13 @@ class SelectiveDecoderLayer(nn.Module):
         # The fused nodes rebuild what "selective" drops by themselves; the pipeline classifies and offloads
         # (and, under "full", sees only the checkpoint's saved inputs: x).
         with pipeline.scope(self._policy, self.engine, layer_input=x, watch_casts=False, registered=False):
-            if self.recompute == "full" and self._needs_graph(x):
+            if self.recompute in CHECKPOINTED and self._needs_graph(x):
                 # Seeds are arguments, so the re-run in backward regenerates the very same masks (and the
                 # forward's train/eval mode: a site runs dropout iff its seed was drawn, see _block).
                 block = self._block if torch.compiler.is_compiling() else self._block_checking_versions(x)
-                return checkpoint(block, x, attention_mask, seeds, False, position_ids, use_reentrant=False,
-                                  preserve_rng_state=False)
+                run = checkpoint if self.recompute == "full" else attention_kept_checkpoint
+                return run(block, x, attention_mask, seeds, False, position_ids, use_reentrant=False,
+                           preserve_rng_state=False)
             return self._block(x, attention_mask, seeds, self.recompute == "none", position_ids)
 
     def _block_checking_versions(self, x):

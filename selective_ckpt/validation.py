@@ -11,7 +11,7 @@ from .activations import ACTIVATIONS, GATED_LAYER_ACTIVATIONS, LAYER_ACTIVATIONS
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KERNEL_DTYPES = SUPPORTED_DTYPES + (torch.float64,)
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full", "attention-kept")
 MAX_HEAD_DIM = 256
 
 

@@ -125,10 +125,10 @@ def test_modes_bit_identical(dtype):
     x, dy = torch.randn(2, 11, 32).to(dtype), torch.randn(2, 11, 32).to(dtype)
     mask = padding_mask(2, 11)
     results = {}
-    for mode in ("selective", "none", "full"):
+    for mode in ("selective", "none", "full", "attention-kept"):
         layer.recompute = mode
         results[mode] = run_layer(layer, x, mask, dy)
-    for mode in ("none", "full"):
+    for mode in ("none", "full", "attention-kept"):
         for i, (a, b) in enumerate(zip(results["selective"], results[mode])):
             assert torch.equal(a, b), f"{mode} differs from selective in {(['y', 'dx'] + NAMES)[i]}"
     assert not torch.equal(results["selective"][0], run_layer(layer, x, mask, dy, seed=7)[0])  # seeds matter
@@ -170,7 +170,7 @@ def test_saved_bytes_match_the_contract(mode, dtype):
 def test_nothing_kept_without_grad_and_eval_is_deterministic():
     layer = make_layer(32, 2, dropout=0.17, attn_dropout=0.17)
     x = torch.randn(2, 6, 32)
-    for mode in ("selective", "none", "full"):
+    for mode in ("selective", "none", "full", "attention-kept"):
         layer.recompute = mode
         with torch.no_grad():
             got, y = saved_storages(layer, x)
@@ -197,13 +197,14 @@ def test_autocast_cpu_bf16_matches_eager_autocast():
     mask = padding_mask(2, 9)
     seeds = seeds_of(layer, x)
     results = {}
-    for mode in ("selective", "full"):
+    for mode in ("selective", "full", "attention-kept"):
         layer.recompute = mode
         with torch.autocast("cpu", dtype=torch.bfloat16):
             results[mode] = run_layer(layer, x, mask, dy)
     assert results["selective"][0].dtype == torch.float32  # residual stream stays fp32 like eager
-    for a, b in zip(results["selective"], results["full"]):
-        assert torch.equal(a, b)  # the re-run replays under the same autocast state
+    for mode in ("full", "attention-kept"):
+        for a, b in zip(results["selective"], results[mode]):
+            assert torch.equal(a, b)  # the re-run replays under the same autocast state
     with torch.autocast("cpu", dtype=torch.bfloat16):
         eager = run_reference(layer, x, mask, dy, seeds, torch.float32)
     ref = run_reference(layer, x, mask, dy, seeds, torch.float64)

@@ -353,6 +353,14 @@ def discardable(y, rebuild, *args):
     return y
 
 
+def note_kept(t, cls):
+    """Shows an observing ledger a tensor kept outside the saved-tensor hooks (attention's outputs cached by the
+    attention-kept checkpoint)."""
+    observer = getattr(_state, "observer", None)
+    if observer is not None:
+        observer.note(t, cls, None)
+
+
 def source(x):
     """What a producer should hold to read x in backward: a rebuild handle when x is (a cast of) a
     dropped output, else x itself."""

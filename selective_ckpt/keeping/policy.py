@@ -12,10 +12,12 @@ A decoder layer's forward keeps tensors of a few classes for backward:
 
 Anything else a layer keeps (norm statistics, dropout seeds, LoRA's rank-sized outputs, a router's probabilities)
 is small, of class "other", and always kept. A `LayerPolicy` gives each class an action. The recompute modes are
-three named policies: "none" keeps everything, "selective" rebuilds the norm and activation outputs, "full" keeps
-the layer input only and runs the layer again in backward. Offloading is orthogonal: any kept class can be
-offloaded instead (`policy("selective", offload=["mlp"])`). Which classes can be rebuilt together is decided by
-the mechanisms that exist; any other combination is a ValueError naming it.
+named policies: "none" keeps everything, "selective" rebuilds the norm and activation outputs, "full" keeps the
+layer input only and runs the layer again in backward, "attention-kept" keeps the layer input and attention's
+output and logsumexp and runs the layer again in backward except attention's forward (keeping.attention_kept):
+at long context, where attention's forward is most of a layer's, the cheapest way to keep little. Offloading is
+orthogonal: any kept class can be offloaded instead (`policy("selective", offload=["mlp"])`). Which classes can
+be rebuilt together is decided by the mechanisms that exist; any other combination is a ValueError naming it.
 """
 
 import dataclasses
@@ -27,7 +29,10 @@ OTHER = "other"  # small tensors of no class: always kept on the device
 ACTIONS = ("keep", "offload", "rebuild")
 
 # The rebuild sets the mechanisms implement, and the recompute mode that implements each.
-_REBUILDS = {frozenset(): "none", frozenset({"norm_act"}): "selective", frozenset(CLASSES) - {"input"}: "full"}
+_REBUILDS = {frozenset(): "none", frozenset({"norm_act"}): "selective", frozenset(CLASSES) - {"input"}: "full",
+             frozenset(CLASSES) - {"input", "attention"}: "attention-kept"}
+# Modes that run the layer again in backward (a checkpoint around it): what they keep is the checkpoint's.
+CHECKPOINTED = ("full", "attention-kept")
 
 # memory.estimate's parts by class (every other part is "other").
 PART_CLASSES = {
@@ -63,8 +68,12 @@ class LayerPolicy:
             if "input" in rebuilt:
                 raise ValueError("policy: input cannot be rebuilt (it is the layer's input; keep or offload it)")
             raise ValueError(f"policy: rebuilding {', '.join(sorted(rebuilt))} is not supported; a layer rebuilds "
-                             "nothing (\"none\"), its norm and activation outputs (\"selective\") or everything but "
-                             "its input (\"full\")")
+                             "nothing (\"none\"), its norm and activation outputs (\"selective\"), everything but "
+                             "its input (\"full\") or everything but its input and attention's output "
+                             "(\"attention-kept\")")
+        if self.recompute == "attention-kept" and self.attention == "offload":
+            raise ValueError("policy: attention cannot be offloaded under \"attention-kept\" (its outputs are held "
+                             "by the checkpoint's cache, outside the layer's pipeline); keep it, or offload the input")
 
     @property
     def rebuilt(self):
@@ -111,6 +120,7 @@ NAMED = {
     "none": LayerPolicy(norm_act="keep"),
     "selective": LayerPolicy(),
     "full": LayerPolicy(**{c: "rebuild" for c in CLASSES if c != "input"}),
+    "attention-kept": LayerPolicy(**{c: "rebuild" for c in CLASSES if c not in ("input", "attention")}),
 }
 assert tuple(NAMED) == RECOMPUTE_MODES
 

@@ -8,7 +8,7 @@ import torch
 
 from .. import rng
 from ..keeping.policy import resolve, split_parts
-from ..validation import GATED_ACTIVATIONS, check_layer_shape, check_mode, check_positive_int
+from ..validation import GATED_ACTIVATIONS, check_layer_shape, check_positive_int
 from .units import as_dtype
 
 
@@ -38,6 +38,7 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
       selective: t*(h + 3h + h + h + f)*e  [x, q/k/v, o, x1, fc1 out] + a*t*4 [lse] + 2*2*t*4 [LN mean, rstd]
       none:      t*(h + h + 3h + h + h + h + 2f)*e  [adds LN1, LN2 and GELU outputs] + the same lse and stats
       full:      t*h*e  [the layer input only]
+      attention-kept: t*h*e + t*h*e + a*t*4  [the layer input, attention's output and logsumexp]
     Dropout keeps an 8-byte seed tensor per site that is on (rates `dropout`, `attn_dropout` as in
     the layer, training): attention probabilities, proj output, MLP output; "full" keeps none.
     `breakdown=True` returns a dict of the parts (bytes) instead of the total.
@@ -105,6 +106,8 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     h = hidden_dim
     if recompute == "full":
         parts = {"x": t * h * er}
+    elif recompute == "attention-kept":  # the checkpoint's input and the cached outputs of attention's forward
+        parts = {"x": t * h * er, "o": t * h * e, "lse": num_heads * t * acc}
     else:
         parts = {"x": t * h * er, "qkv": t * (h + 2 * kv_heads * head_dim) * e, "o": t * h * e, "x1": t * h * er}
         if residual == "parallel":
@@ -260,10 +263,10 @@ GELU_FLOPS = 8
 SOFTMAX_FLOPS = 5  # max, subtract, exp, sum, divide
 
 
-def forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, causal=True, **layer_kwargs):
+def forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, causal=True, attention=True, **layer_kwargs):
     """FLOPs of one layer forward: the matmuls (qkv, proj, the MLP's two or three), attention (QK^T and
     PV, halved when causal, limited to the window if any), norms, softmax, activation and the two
-    residual adds."""
+    residual adds. `attention=False` leaves attention's own FLOPs out (what the attention-kept re-run does)."""
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
     mlp_mats = 3 if layer_kwargs.get("activation", "gelu") in GATED_ACTIVATIONS else 2
     t, h, s = seq_len * batch, hidden_dim, seq_len
@@ -272,8 +275,8 @@ def forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, causal=Tru
     if window is not None and window < s:
         c = window / s  # each query attends at most `window` keys
     matmul = 2 * t * h * ((h + 2 * kv_heads * head_dim) + h + mlp_mats * ffn)
-    attention = 2 * 2 * t * s * h * c + SOFTMAX_FLOPS * num_heads * t * s * c
-    return int(matmul + attention + 2 * LN_FWD_FLOPS * t * h + GELU_FLOPS * t * ffn + 2 * t * h)
+    attn = 2 * 2 * t * s * h * c + SOFTMAX_FLOPS * num_heads * t * s * c if attention else 0
+    return int(matmul + attn + 2 * LN_FWD_FLOPS * t * h + GELU_FLOPS * t * ffn + 2 * t * h)
 
 
 def recompute_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, recompute="selective", causal=True,
@@ -283,17 +286,19 @@ def recompute_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, recomput
     none = 0. selective = re-deriving the two LayerNorm outputs from the saved input and statistics
     and the GELU output from the fc1 output (attention's softmax is rebuilt from logsumexp in every
     mode, since the fused attention never stores it, so it is no extra cost of "selective"). full =
-    one more forward of the layer (`forward_flops`). A gated MLP's product act(gate) * up is
-    rebuilt instead of the GELU output, at the same coarse cost per element.
+    one more forward of the layer (`forward_flops`); attention-kept = that forward without attention's.
+    A gated MLP's product act(gate) * up is rebuilt instead of the GELU output, at the same coarse cost
+    per element. `recompute` may be a keeping.LayerPolicy (its mode counts).
     """
     ffn = check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
-    check_mode(recompute)
+    recompute = resolve(recompute, "recompute").recompute
     t = seq_len * batch
     if recompute == "none":
         return 0
     if recompute == "selective":
         return 2 * LN_OUT_FLOPS * t * hidden_dim + GELU_FLOPS * t * ffn
-    return forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio, causal, **layer_kwargs)
+    return forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio, causal,
+                         attention=recompute == "full", **layer_kwargs)
 
 
 def loss_head_estimate(tokens, vocab, hidden_dim, dtype, reduction="mean", weight_grad=True, bias=False,

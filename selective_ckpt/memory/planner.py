@@ -7,7 +7,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from ..keeping.policy import resolve
+from ..keeping.policy import CHECKPOINTED, resolve
 from ..registry import recomputable_layers, state_of
 from ..validation import RECOMPUTE_MODES as MODES
 from ..validation import check_positive_int
@@ -113,12 +113,12 @@ def _layer_figures(shape, batch, seq_len, modes=MODES):
                             **kw, **shape.kept_kwargs())
     cost = functools.partial(recompute_flops, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.mlp_ratio,
                              causal=shape.causal, **kw)
-    rerun = est("selective") - est("full")  # a full layer's re-run keeps its selective set again, once
+    # a checkpointed layer's re-run keeps its selective set again, once, beyond what the checkpoint kept
+    rerun = {m: est("selective") - est(m) for m in CHECKPOINTED}
 
     def device(m):
         return sum(v["device"] for v in est(m, breakdown="class").values())
-    return {m: (device(m), rerun if resolve(m).recompute == "full" else 0, cost(resolve(m).recompute))
-            for m in modes}
+    return {m: (device(m), rerun.get(resolve(m).recompute, 0), cost(resolve(m).recompute)) for m in modes}
 
 
 def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes=MODES):
@@ -130,10 +130,10 @@ def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes
     ffn_dim, norm, activation, sliding_window) for a model not built yet.
 
     Memory model: the activations kept for backward (`estimate` per layer and mode, summed over
-    layers), plus, when any layer is "full", the largest such layer's re-run working set: its
-    backward re-runs its forward, which keeps the layer's "selective" set again until that layer's
-    backward is done (counted once: layers run backward one at a time). Weights, gradients,
-    optimizer state and kernel workspaces are not in it: leave room for them in the budget.
+    layers), plus, when any layer is "full" or "attention-kept", the largest such layer's re-run working
+    set: its backward re-runs its forward, which keeps the layer's "selective" set again (beyond what the
+    checkpoint kept) until that layer's backward is done (counted once: layers run backward one at a time).
+    Weights, gradients, optimizer state and kernel workspaces are not in it: leave room for them in the budget.
 
     Cost model (`recompute_flops`): none = 0; selective = its elementwise recompute (two LayerNorm
     outputs and the GELU output, ~10 FLOPs per element: well under 1 % of a forward); full = one
@@ -197,7 +197,7 @@ def plan(model_or_shape, batch, seq_len, budget_bytes, *, num_layers=None, modes
     (kept, work), (cost, choice) = min(states.items(), key=lambda kv: (kv[1][0], kv[0][0] + kv[0][1]))
     out = [None] * len(shapes)
     # full layers first (their re-run comes last in backward), then by what they keep
-    order = sorted(modes, key=lambda m: ("full", "selective", "none").index(resolve(m).recompute))
+    order = sorted(modes, key=lambda m: ("full", "attention-kept", "selective", "none").index(resolve(m).recompute))
     for idx, counts in zip(groups.values(), choice):
         per_mode = dict(zip(modes, counts))
         seq = [m for m in order for _ in range(per_mode[m])]

@@ -8,7 +8,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..keeping import pipeline
-from ..keeping.policy import NAMED, resolve
+from ..keeping.attention_kept import attention_kept_checkpoint
+from ..keeping.policy import CHECKPOINTED, NAMED, resolve
 from ..registry import STATE
 from .patches import PATCHED, patch_forward
 
@@ -72,22 +73,30 @@ class ConvertedLayerState:
 
     @property
     def policy(self):
-        """The layer's keeping.LayerPolicy; "full" whenever transformers' checkpointing is on for the layer."""
-        if getattr(self.layer, "gradient_checkpointing", False):
-            return self._policy if self._policy.recompute == "full" else NAMED["full"]
-        return self._policy if self._policy.recompute != "full" else NAMED["selective"]
+        """The layer's keeping.LayerPolicy; "full" whenever transformers' checkpointing is on for the layer (and
+        not the attention-kept checkpoint this policy installed)."""
+        layer, mode = self.layer, self._policy.recompute
+        if getattr(layer, "gradient_checkpointing", False):
+            ours = mode == "full" or (mode == "attention-kept" and
+                                      getattr(layer, "_gradient_checkpointing_func", None) is attention_kept_checkpoint)
+            return self._policy if ours else NAMED["full"]
+        return self._policy if mode not in CHECKPOINTED else NAMED["selective"]
 
     @policy.setter
     def policy(self, value):
         value = resolve(value)
-        self.full_asked = value.recompute == "full"  # not transformers' checkpointing switched on around us
+        self.full_asked = value.recompute in CHECKPOINTED  # not transformers' checkpointing switched on around us
         layer = self.layer
-        if self.full_asked:
-            if getattr(layer, "_gradient_checkpointing_func", None) is None:
-                layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
-            layer.gradient_checkpointing = True
-        else:
-            layer.gradient_checkpointing = False
+        current = getattr(layer, "_gradient_checkpointing_func", None)
+        if current is attention_kept_checkpoint and value.recompute != "attention-kept":
+            current = layer._gradient_checkpointing_func = getattr(self, "replaced_checkpoint", None)
+        if value.recompute == "attention-kept":
+            if current is not attention_kept_checkpoint:
+                self.replaced_checkpoint = current  # the user's checkpoint function, back when the policy changes
+            layer._gradient_checkpointing_func = attention_kept_checkpoint
+        elif value.recompute == "full" and current is None:
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        layer.gradient_checkpointing = self.full_asked
         self._policy = value
 
     @property
@@ -148,7 +157,7 @@ def _decoder_layer_forward(self, *args, **kwargs):
     if grad:
         from transformers.cache_utils import Cache
         caches = [c for c in (*args, *kwargs.values()) if isinstance(c, Cache) and "update" not in vars(c)]
-    if mode == "full" and self.training and grad:
+    if mode in CHECKPOINTED and self.training and grad:
         # The checkpointed re-run would append to a kv cache twice (transformers drops only a
         # keyword `cache`; GPT-2 passes it by position): a checkpointed layer fills none.
         args = tuple(None if isinstance(a, Cache) else a for a in args)
@@ -186,7 +195,7 @@ class ModeAnnouncement:
         said = ", ".join(f'{n} "{m}"' for m, n in sorted(counts.items()))
         log = logging.getLogger("selective_ckpt")
         # "full" asked of us (convert's recompute, set_recompute, a plan) is the user's choice: said, not warned
-        if any(s.recompute == "full" and not s.full_asked for s in self.states):
+        if any(s.recompute in CHECKPOINTED and not s.full_asked for s in self.states):
             log.warning(f"selective_ckpt: decoder layers run {said}: \"full\" re-runs a layer's forward in "
                         "backward (gradient checkpointing is on). For selective recompute at no such cost, train "
                         "with gradient_checkpointing=False (TRL's SFTConfig turns it on by default); for a "

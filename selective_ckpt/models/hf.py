@@ -201,7 +201,7 @@ def plan(root, spec, model_type):
     return [m for _, m in layers], patches
 
 
-def _norm_forward(norm, kept):
+def _norm_forward(norm, kept="residual"):
     """The patched forward of a norm whose input is of class `kept` (keeping.policy) when nothing named it."""
     if norm.rounding == "float32_scale":
         forward = own_forward_norm

@@ -23,9 +23,10 @@ def _brute_force(num_layers, batch, seq, budget):
     est = {m: memory.estimate(64, 4, seq, batch, torch.bfloat16, recompute=m) for m in memory.MODES}
     cost = {m: memory.recompute_flops(64, 4, seq, batch, recompute=m) for m in memory.MODES}
     rerun = est["selective"] - est["full"]
+    reruns = {"full": rerun, "attention-kept": est["selective"] - est["attention-kept"]}  # a checkpointed layer's
     best = None
     for modes in itertools.product(memory.MODES, repeat=num_layers):
-        peak = sum(est[m] for m in modes) + (rerun if "full" in modes else 0)
+        peak = sum(est[m] for m in modes) + max((reruns[m] for m in modes if m in reruns), default=0)
         if peak <= budget:
             c = sum(cost[m] for m in modes)
             best = c if best is None else min(best, c)
@@ -46,8 +47,8 @@ def test_plan_is_optimal_against_brute_force(num_layers):
         assert p.cost_flops == best
         assert p.peak_bytes <= budget
         assert p.kept_bytes == sum(est[m] for m in p)
-        # full layers first (their re-run comes last in backward), then selective, then none
-        order = {"full": 0, "selective": 1, "none": 2}
+        # checkpointed layers first (their re-run comes last in backward), then selective, then none
+        order = {"full": 0, "attention-kept": 1, "selective": 2, "none": 3}
         assert [order[m] for m in p] == sorted(order[m] for m in p)
 
 
@@ -78,7 +79,8 @@ def test_plan_max_batch_per_uniform_mode():
     for mode, b in p.max_batch.items():
         def peak(batch, mode=mode):
             per = memory.estimate(64, 4, seq, batch, torch.bfloat16, recompute=mode)
-            rerun = memory.estimate(64, 4, seq, batch, torch.bfloat16) - per if mode == "full" else 0
+            checkpointed = mode in ("full", "attention-kept")
+            rerun = memory.estimate(64, 4, seq, batch, torch.bfloat16) - per if checkpointed else 0
             return n * per + rerun
         assert b >= 1 and peak(b) <= budget < peak(b + 1), mode
     assert p.max_batch["full"] > p.max_batch["selective"] > p.max_batch["none"]

@@ -164,11 +164,11 @@ def check_lora_both_orders(build, targets=("q_proj", "v_proj", "down_proj")):
 
 
 def check_modes_identical(model, ids, mask):
-    """"none", "selective" and "full" (and gradient_checkpointing_enable) give the same bits."""
+    """"none", "selective", "full", "attention-kept" (and gradient_checkpointing_enable) give the same bits."""
     from selective_ckpt import set_recompute
 
     results = []
-    for mode in ("none", "selective", "full", "hf"):
+    for mode in ("none", "selective", "full", "attention-kept", "hf"):
         if mode == "hf":
             set_recompute(model, "selective")
             model.gradient_checkpointing_enable()
