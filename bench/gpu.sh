@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a lent machine (one H200; budget: 10 minutes in all).
+# One-shot GPU check for a lent machine (one H200; budget: 10 minutes a command).
 #
-#   bash bench/gpu.sh            # install check, CUDA tests (parallel), Llama-3.1-8B's whole step against the
-#                                # fit model, the main job at the 7B shape, per-kernel attention sweep vs SDPA
-#                                # (FLASH and cuDNN pinned) with the chip's bf16 matmul rate, 7B layer with dropout
+#   bash bench/gpu.sh            # install check, then the open issues' steps: Llama-3.1-8B's step under each
+#                                # layer policy (keep / offload / rebuild) at 8K-32K with the host link's rate,
+#                                # and attention-kept against full recompute at 32K and 64K
+#   bash bench/gpu.sh --earlier  # the earlier steps instead: CUDA tests (parallel), Llama-3.1-8B's whole step
+#                                # against the fit model, the main job at the 7B shape, per-kernel attention
+#                                # sweep vs SDPA (FLASH and cuDNN pinned), 7B layer with dropout
 #   bash bench/gpu.sh --dry-run  # CPU: print every command, check that the entry points parse; runs nothing heavy
 #
 # Writes under $OUT when set (else bench/out/): summary.txt, steps.log (install + tests),
 # attention_gpu.log, attention/{attention_gpu.csv, layer_7b.csv}, fit_check.{log,json}, main.log and
-# main/{results.csv, PNGs}. A selective_ckpt/_C built for the machine's Python beforehand is used as it is.
+# main/{results.csv, PNGs}, offload.{log,json}, long_context.{log,json}. A selective_ckpt/_C built for the
+# machine's Python beforehand is used as it is.
 # The short table is printed last.
 # Environment: PYTHON (default python3), STEP_TIMEOUT_SCALE (multiplies each step's time limit).
 # Every step runs even when an earlier one fails; the exit status is 1 if any step failed.
@@ -16,11 +20,13 @@
 set -uo pipefail
 
 DRY=0
+EARLIER=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "gpu.sh: unknown argument '$arg' (use --dry-run or --help)" >&2; exit 2 ;;
+    --earlier) EARLIER=1 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu.sh: unknown argument '$arg' (use --dry-run, --earlier or --help)" >&2; exit 2 ;;
   esac
 done
 
@@ -121,6 +127,7 @@ if [ "$DRY" = 1 ]; then
   done
   "$PY" -m selective_ckpt.bench --help > /dev/null || { echo "[dry-run] selective_ckpt.bench --help failed" >&2; FAILED=1; }
   "$PY" -m selective_ckpt.bench.fit_check --help > /dev/null || { echo "[dry-run] selective_ckpt.bench.fit_check --help failed" >&2; FAILED=1; }
+  "$PY" -m selective_ckpt.bench.offload --help > /dev/null || { echo "[dry-run] selective_ckpt.bench.offload --help failed" >&2; FAILED=1; }
   "$PY" -m selective_ckpt.bench.attention_gpu --dry-run --out "$DEST/attention" \
     || { echo "[dry-run] selective_ckpt.bench.attention_gpu failed" >&2; FAILED=1; }
   "$PY" -m pytest -m cuda -q -p no:cacheprovider --collect-only tests/ > /dev/null \
@@ -134,10 +141,30 @@ if [ "$DRY" = 1 ]; then
   DRY=0 step dry-selfcheck 60 "$DEST/steps.log" selfcheck || FAILED=1
 fi
 
-# Limits sum to 590 s (an H200, 2026-12-04: tests 126 s, fit check 38, main job 21, sweep 59); the sweep comes
-# last, and its log keeps every point it printed if it is cut short.
 step environment 20 "$DEST/steps.log" environment
 step install 90 "$DEST/steps.log" install_package
+
+OFFLOAD_ARGS=(Llama-3.1-8B --device cuda --form lora --rank 16 --autocast bfloat16 --timed 1)
+if [ "$EARLIER" = 0 ]; then
+  # Limits sum to 540 s. Each row builds the 8B model and runs 3 steps (build ~8 s, a 32K step ~3-6 s on an H200).
+  # Long context, 1 of 3: what each policy holds on the GPU and in host memory, and what offloading costs in time.
+  step offload 260 "$DEST/offload.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
+    --seq-len 8192,16384,32768 --json "$DEST/offload.json" \
+    --policies "selective;selective, offload mlp;selective, offload all;full;full, offload input"
+  # Long context, 2 of 3: attention kept (never recomputed) against whole-layer recompute.
+  step long-context 170 "$DEST/long_context.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
+    --seq-len 32768,65536 --json "$DEST/long_context.json" \
+    --policies "attention-kept;full;attention-kept, offload input;full, offload input"
+  [ "$DRY" = 1 ] && exit "$FAILED"
+  echo
+  echo "== steps (logs in $DEST)"
+  cat "$SUMMARY"
+  grep -hE '^(\||host link)' "$DEST/offload.log" "$DEST/long_context.log" 2>/dev/null
+  exit "$FAILED"
+fi
+
+# Limits sum to 590 s (an H200, 2026-12-04: tests 126 s, fit check 38, main job 21, sweep 59); the sweep comes
+# last, and its log keeps every point it printed if it is cut short.
 # pytest-xdist when present: the CUDA tests in parallel workers on the one GPU
 PAR=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 4")
 # shellcheck disable=SC2086

@@ -226,10 +226,17 @@ def test_gpu_script_syntax_and_dry_run(tmp_path):
     proc = subprocess.run(["bash", str(script), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    for step in ("install", "offload", "long-context"):  # the open issues' steps, by default
+        assert f"[dry-run] {step}" in proc.stdout
+    assert "selective_ckpt.bench.offload Llama-3.1-8B --device cuda" in proc.stdout
+    assert "sweep parser ok" in proc.stdout and "dry-selfcheck   ok" in proc.stdout
+    proc = subprocess.run(["bash", str(script), "--dry-run", "--earlier"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     for step in ("install", "cuda-tests", "attention", "main-job"):
         assert f"[dry-run] {step}" in proc.stdout
+    assert "[dry-run] offload" not in proc.stdout
     assert "-m pytest -m cuda" in proc.stdout and "selective_ckpt.bench --device cuda" in proc.stdout
-    assert "sweep parser ok" in proc.stdout and "dry-selfcheck   ok" in proc.stdout
     bad = subprocess.run(["bash", str(script), "--bogus"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
 
@@ -258,7 +265,7 @@ def test_load_watch_warns_only_when_other_work_shared_the_cpus():
     assert len(watch.samples) == 4 and watch.samples[-1] >= 0
 
 
-@pytest.mark.parametrize("module", ["attention", "attention_gpu", "mlp", "profile_step", "hf"])
+@pytest.mark.parametrize("module", ["attention", "attention_gpu", "mlp", "profile_step", "hf", "offload"])
 def test_benchmarks_run_as_package_modules_from_anywhere(module, tmp_path):
     """The standalone benchmarks are modules of the package: no sys.path edits, no checkout needed."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -294,3 +301,23 @@ def test_attention_table_prints_every_grid_row():
     assert sorted((r[0], r[2], r[3]) for r in rows) == sorted(
         (s, m, d) for s in ("24", "40") for m in ("causal", "none") for d in ("fp32", "bf16")), proc.stdout
     assert all(float(r[-3]) > 0 and float(r[-6]) > 0 for r in rows), proc.stdout  # both ratios printed
+
+
+def test_offload_bench_runs_each_policy_on_cpu(tmp_path, capsys):
+    """python -m selective_ckpt.bench.offload (bench/gpu.sh's offload and long-context steps) at a tiny size."""
+    import json
+
+    from selective_ckpt.bench import offload
+
+    out = tmp_path / "offload.json"
+    assert offload.main(["Llama-3.1-8B", "--layers", "2", "--hidden", "128", "--seq-len", "32", "--form", "lora",
+                         "--rank", "4", "--autocast", "bfloat16", "--timed", "0", "--json", str(out),
+                         "--policies", "selective;selective, offload mlp;attention-kept, offload input"]) == 0
+    text = capsys.readouterr().out
+    assert "| 32 | selective, offload mlp |" in text and "| 32 | attention-kept, offload input |" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["selective", "selective, offload mlp", "attention-kept, offload input"]
+    assert len({r["loss"] for r in rows}) == 1  # the same step whatever is kept where
+    assert rows[0]["d2h"] == 0 and rows[1]["d2h"] > 0 and rows[2]["d2h"] > 0 and rows[1]["host_peak"] > 0
+    with pytest.raises(SystemExit, match="--policies"):
+        offload.main(["Llama-3.1-8B", "--policies", "sometimes"])
