@@ -1,4 +1,4 @@
-"""Which storage a tensor lives in: the one identity the recompute scope, attention and the memory tools share.
+"""Which storage a tensor lives in: the one identity the layer pipeline, attention and the memory tools share.
 
 A storage's identity is its StorageImpl (`untyped_storage()._cdata`), the same for every view of it. Unlike its
 address (`data_ptr()`), it also tells storages apart on the meta device and under FakeTensorMode, where every
@@ -8,7 +8,7 @@ address is 0, so the same code runs on fake tensors (selective_ckpt.fit simulate
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter, FakeTensor)  # no subclass: what the recompute scope takes
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter, FakeTensor)  # no subclass: what the layer pipeline takes
 
 
 def storage_id(t):

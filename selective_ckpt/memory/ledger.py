@@ -295,7 +295,7 @@ def ledger(fn_or_module, *inputs, model=None, layer_types=None, exclude=(), trac
                 rec.producers = stack.enter_context(_Producers())
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t))
-            # recompute scopes inside run as they do without the ledger and show it what they keep
+            # layer pipelines inside run as they do without the ledger and show it what they keep
             stack.enter_context(pipeline.observe(rec))
             out = fn_or_module(*inputs, **kwargs)
             for mode in rec.sac_modes:  # what selective checkpointing cached and the policy did not report

@@ -213,7 +213,7 @@ def announce_modes(layers):
 
 
 def convert_decoder_layer(layer, mode, shape_of=None, name=None):
-    """Wraps the layer's forward in a recompute scope chosen by its mode; modules and parameters stay."""
+    """Wraps the layer's forward in its pipeline (keeping.pipeline) under its policy; modules and parameters stay."""
     if not hasattr(type(layer), "gradient_checkpointing"):
         raise ConversionError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer")
     setattr(layer, STATE, ConvertedLayerState(layer, mode, shape_of, name))

@@ -6,7 +6,7 @@ kind and offset, the MLP layout and its activation child, the residual form,
 whether attention holds q/k norms, and the shape reader the memory planner uses. `plan(root,
 spec)` checks every block against the spec and returns (decoder layers, [(module, new forward),
 ...]) or raises ConversionError; `apply` then registers the attention function, points the config
-at it, patches the forwards and wraps each decoder layer in its recompute scope. A failed check
+at it, patches the forwards and wraps each decoder layer in its pipeline. A failed check
 changes nothing.
 """
 

@@ -25,7 +25,7 @@ from torch import nn
 from .common import ConversionError
 from .patches import PATCH, PATCHED, dropout_forward, patch_forward, restore_patches
 
-# Module classes a converted layer may hold whose saved tensors the recompute scope handles: the
+# Module classes a converted layer may hold whose saved tensors the layer pipeline handles: the
 # families' own blocks are checked by their plans; these are the consumers found inside them.
 KNOWN_CONSUMERS = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt", "Dropout", "Identity", "ModuleDict",
                    "ParameterDict", "BufferDict")
