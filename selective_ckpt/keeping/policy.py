@@ -57,8 +57,13 @@ class LayerPolicy:
     residual: str = "keep"
     mlp: str = "keep"
     norm_act: str = "rebuild"
+    # The MLP runs in this many sequence tiles, each rebuilt and differentiated on its own in backward, so its
+    # transients are a tile's (keeping.tiling); only where the MLP is rebuilt anyway ("full", "attention-kept").
+    mlp_tiles: int = 1
 
     def __post_init__(self):
+        if isinstance(self.mlp_tiles, bool) or not isinstance(self.mlp_tiles, int) or self.mlp_tiles < 1:
+            raise ValueError(f"policy: mlp_tiles must be an int >= 1, got {self.mlp_tiles!r}")
         for cls in CLASSES:
             action = getattr(self, cls)
             if action not in ACTIONS:
@@ -71,6 +76,10 @@ class LayerPolicy:
                              "nothing (\"none\"), its norm and activation outputs (\"selective\"), everything but "
                              "its input (\"full\") or everything but its input and attention's output "
                              "(\"attention-kept\")")
+        if self.mlp_tiles > 1 and self.mlp != "rebuild":
+            raise ValueError(f"policy: mlp_tiles={self.mlp_tiles} runs the MLP again tile by tile in backward, which "
+                             f"only a policy that rebuilds the MLP does (\"full\", \"attention-kept\"); "
+                             f"{self.recompute!r} keeps it")
         if self.recompute == "attention-kept" and self.attention == "offload":
             raise ValueError("policy: attention cannot be offloaded under \"attention-kept\" (its outputs are held "
                              "by the checkpoint's cache, outside the layer's pipeline); keep it, or offload the input")
@@ -95,10 +104,13 @@ class LayerPolicy:
         return "keep" if cls == OTHER else getattr(self, cls)
 
     def name(self):
-        """The mode's name, with what is offloaded: e.g. 'selective, offload mlp'."""
-        if not self.offloaded:
-            return self.recompute
-        return f"{self.recompute}, offload {'+'.join(c for c in CLASSES if c in self.offloaded)}"
+        """The mode's name, with what is offloaded and the MLP's tiles: e.g. 'selective, offload mlp'."""
+        out = self.recompute
+        if self.offloaded:
+            out += f", offload {'+'.join(c for c in CLASSES if c in self.offloaded)}"
+        if self.mlp_tiles > 1:
+            out += f", MLP in {self.mlp_tiles} tiles"
+        return out
 
     def __str__(self):
         return self.name()
@@ -107,13 +119,16 @@ class LayerPolicy:
         # A policy that offloads nothing is one of the named modes and equals its name, so code written for modes
         # ("full", "selective", "none") reads policies too.
         if isinstance(other, str):
-            return not self.offloaded and self.recompute == other
+            return self.name() == other
         if isinstance(other, LayerPolicy):
-            return all(getattr(self, c) == getattr(other, c) for c in CLASSES)
+            return self._key() == other._key()
         return NotImplemented
 
     def __hash__(self):
-        return hash(self.name()) if not self.offloaded else hash(tuple(getattr(self, c) for c in CLASSES))
+        return hash(self.name())
+
+    def _key(self):
+        return (*(getattr(self, c) for c in CLASSES), self.mlp_tiles)
 
 
 NAMED = {
@@ -125,11 +140,13 @@ NAMED = {
 assert tuple(NAMED) == RECOMPUTE_MODES
 
 
-def policy(base="selective", offload=()):
-    """A LayerPolicy: a mode's policy ("none", "selective", "full") with the classes in `offload` offloaded.
+def policy(base="selective", offload=(), mlp_tiles=1):
+    """A LayerPolicy: a mode's policy ("none", "selective", "full", "attention-kept") with the classes in
+    `offload` offloaded and, where the MLP is rebuilt, the MLP run in `mlp_tiles` sequence tiles.
 
     policy("selective", offload=["mlp"]) keeps everything selective keeps, the MLP's matmul outputs in host
-    memory; policy("full", offload=["input"]) is whole-layer recompute with the layer inputs in host memory.
+    memory; policy("full", offload=["input"]) is whole-layer recompute with the layer inputs in host memory;
+    policy("attention-kept", offload=["input"], mlp_tiles=8) is the long-context floor.
     """
     p = resolve(base)
     if isinstance(offload, str):
@@ -143,7 +160,7 @@ def policy(base="selective", offload=()):
         if getattr(p, cls) == "rebuild":
             raise ValueError(f"offload: {cls} is rebuilt under {p.recompute!r}, so there is nothing of it to offload")
         changes[cls] = "offload"
-    return dataclasses.replace(p, **changes)
+    return dataclasses.replace(p, **changes, mlp_tiles=mlp_tiles)
 
 
 def resolve(value, name="policy"):

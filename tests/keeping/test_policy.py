@@ -24,6 +24,9 @@ def test_policy_offloads_the_kept_classes_asked():
     assert policy("full", offload="input").offloaded == {"input"}
     assert policy("none", offload=list(CLASSES)).offloaded == set(CLASSES)
     assert p.action("other") == "keep" and p.action("norm_act") == "rebuild"
+    tiled = policy("attention-kept", offload=["input"], mlp_tiles=8)
+    assert str(tiled) == "attention-kept, offload input, MLP in 8 tiles" and tiled != policy("attention-kept")
+    assert policy("full", mlp_tiles=1) == "full" and policy("full", mlp_tiles=2) != "full"
 
 
 @pytest.mark.parametrize("make, message", [
@@ -36,6 +39,8 @@ def test_policy_offloads_the_kept_classes_asked():
     (lambda: LayerPolicy(input="rebuild"), "input cannot be rebuilt"),
     (lambda: LayerPolicy(qkv="rebuild"), "rebuilding norm_act, qkv is not supported"),
     (lambda: resolve(3), "policy must be a recompute mode"),
+    (lambda: policy("selective", mlp_tiles=4), "mlp_tiles=4 runs the MLP again"),
+    (lambda: policy("full", mlp_tiles=0), "mlp_tiles must be an int >= 1"),
 ])
 def test_bad_policies_are_named(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
