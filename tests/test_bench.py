@@ -265,7 +265,7 @@ def test_load_watch_warns_only_when_other_work_shared_the_cpus():
     assert len(watch.samples) == 4 and watch.samples[-1] >= 0
 
 
-@pytest.mark.parametrize("module", ["attention", "attention_gpu", "mlp", "profile_step", "hf", "offload"])
+@pytest.mark.parametrize("module", ["attention", "attention_gpu", "mlp", "profile_step", "hf", "offload", "python_tax"])
 def test_benchmarks_run_as_package_modules_from_anywhere(module, tmp_path):
     """The standalone benchmarks are modules of the package: no sys.path edits, no checkout needed."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -321,3 +321,13 @@ def test_offload_bench_runs_each_policy_on_cpu(tmp_path, capsys):
     assert rows[0]["d2h"] == 0 and rows[1]["d2h"] > 0 and rows[2]["d2h"] > 0 and rows[1]["host_peak"] > 0
     with pytest.raises(SystemExit, match="--policies"):
         offload.main(["Llama-3.1-8B", "--policies", "sometimes"])
+
+
+def test_python_tax_bench_prints_a_ratio_per_form(capsys):
+    from selective_ckpt.bench import python_tax
+
+    assert python_tax.main(["--forms", "fp32", "--rounds", "5"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| fp32 |")]
+    assert len(row) == 1 and float(row[0].split("|")[4].split()[0]) > 0
+    with pytest.raises(SystemExit, match="--forms"):
+        python_tax.main(["--forms", "int3"])
