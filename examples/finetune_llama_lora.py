@@ -130,6 +130,14 @@ def kept_bytes_per_layer(model, batch, args):
     return (kept[1] - kept[0]) // (layers - 1)
 
 
+def checkpointing_off(arguments):
+    """transformers' activation checkpointing off, as a converted model trains (under it every converted layer
+    would run "full"): activation_checkpointing=False, gradient_checkpointing=False where transformers predates
+    the name. Off is Trainer's default; TRL's SFTConfig turns it on."""
+    fields = getattr(arguments, "__dataclass_fields__", {})
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": False}
+
+
 def train(args, data, converted):
     from transformers import Trainer, TrainingArguments
 
@@ -147,7 +155,8 @@ def train(args, data, converted):
         targs = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch,
                                   learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
                                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                                  dataloader_num_workers=0, seed=args.seed, disable_tqdm=True, bf16=args.bf16)
+                                  dataloader_num_workers=0, seed=args.seed, disable_tqdm=True, bf16=args.bf16,
+                                  **checkpointing_off(TrainingArguments))
         trainer = Trainer(model=model, args=targs, train_dataset=Chunks(data, args.seq, args.steps * args.batch,
                                                                        args.seed))
         trainer.train()
@@ -205,4 +214,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    if "--qlora" not in sys.argv:  # only --qlora needs bitsandbytes; peft imports it where installed, and on a CPU
+        sys.modules.setdefault("bitsandbytes", None)  # without its kernels package that import prints a warning
     sys.exit(main())

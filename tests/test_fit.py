@@ -46,16 +46,18 @@ def _config(family):
     # a sliding window makes transformers pass SDPA a mask, which on CPU takes the math kernel (S x S
     # probabilities kept); the fit model counts the fused kernels' saved set, as on GPU
     extra = {"sliding_window": None} if "sliding_window" in family.tiny else {}
+    if extra and family.name in ("olmo3", "exaone4", "ministral"):  # their layer_types follow the window unless given
+        extra["layer_types"] = ["full_attention"] * LAYERS
     # SDPA refuses soft-capped scores: transformers' side runs SDPA here, which keeps what the capped
     # eager attention's fused counterpart would (the cap changes no kept bytes of ours)
     if family.tiny.get("attn_logit_softcapping") is not None:
         extra["attn_logit_softcapping"] = None
     config = family.config(**{**family.tiny, layers: LAYERS, positions: SEQ, **extra})
     if getattr(config, "layer_types", None):
-        # every layer global; the Gemma families build a sliding mask whatever the layers, so they get a
+        # every layer global; the Gemma families, OLMo 3 and Ministral build a sliding mask whatever the layers: a
         # window as long as the sequence that no layer uses
         config.layer_types = ["full_attention"] * LAYERS
-        if family.name.startswith("gemma"):
+        if family.name.startswith("gemma") or family.name in ("olmo3", "ministral"):
             config.sliding_window = SEQ
     return config
 
@@ -204,7 +206,8 @@ def test_command_line_prints_every_part():
     out = subprocess.run([sys.executable, "-m", "selective_ckpt.fit", "Llama-3.1-8B", "--gpu", "80GB",
                           "--form", "qlora", "--autocast", "bfloat16", "--seq-len", "8192"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
-    for part in ("weights", "gradients", "optimizer state", "kept/layer", "head tr.", "layer bwd tr.",
+    for part in ("weights", "gradients", "optimizer state", "kept per layer", "loss head transient",
+                 "layer backward transient",
                  "allocator", "transformers + gradient checkpointing", "ours plan", "not modelled"):
         assert part in out, part
 

@@ -351,7 +351,14 @@ def build_parser():
 
 
 def main(argv=None):
+    from ..fit.configs import MissingExtra, require
+
     args = build_parser().parse_args(argv)
+    try:
+        require("transformers", what="python -m selective_ckpt.bench.hf")
+    except MissingExtra as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     cfg = dict(CONFIGS["quick" if args.quick else "default"], dropout=args.dropout)
     for key in ("seqs", "batch", "repeats"):
         if getattr(args, key) is not None:

@@ -86,8 +86,23 @@ class LoadWatch:
     def warning(self):
         """A warning line when the machine was busier than this run alone makes it, else None."""
         peak = self.peak
-        if peak is None or peak <= self.cpus + 0.5:
+        if not busy(peak, self.cpus):
             return None
         return (f"warning: the machine was busy while the rows were timed (1-minute load average up to {peak:.1f} on "
                 f"{self.cpus} CPUs; this run alone accounts for about {self.cpus}): other work shared the cores, so "
                 "step times and their ratios are unreliable; rerun on an idle machine")
+
+
+def busy(peak, cpus=None):
+    """Whether a peak 1-minute load average (None or "": not sampled) shows other work on the CPUs."""
+    if peak in (None, ""):
+        return False
+    return float(peak) > (cpus or os.cpu_count() or 1) + 0.5
+
+
+def busy_note(peak, cpus=None):
+    """The plots' mark of a busy run (LoadWatch.warning's, short), or None when the machine was not busy."""
+    if not busy(peak, cpus):
+        return None
+    return (f"UNRELIABLE TIMES: the machine was busy (load average up to {float(peak):.1f} on {cpus or os.cpu_count()} "
+            "CPUs); rerun on an idle machine")

@@ -151,14 +151,15 @@ def write_csv(results, cfg, path):
                         "budget_bytes": cfg["budget"]})
 
 
-# One colour and marker per row, colours grouped by family (reds: nn.MultiheadAttention layer, blues: the
-# SDPA layer, greens: SelectiveDecoderLayer, purples: the Llama-style layers), line style per family.
+# One colour and marker per row, line style per family (dashed: nn.MultiheadAttention layer, reds; dash-dot: the
+# SDPA layer, blues; solid: SelectiveDecoderLayer; dotted: the Llama-style layers, purples). Our four rows,
+# the ones read against each other, take hues of their own (green, brown, magenta, black) and unlike markers.
 STYLES = {
     "eager": ("#99000d", "o", "--"), "eager-ckpt": ("#e6550d", "s", "--"), "eager-sac": ("#fd8d3c", "^", "--"),
     "sdpa": ("#08306b", "D", "-."), "sdpa-ckpt": ("#2171b5", "v", "-."), "sdpa-compile": ("#6baed6", "P", "-."),
     "sdpa-compile-budget": ("#17becf", "X", "-."),
-    "none": ("#00441b", "h", "-"), "selective": ("#31a354", "*", "-"), "full": ("#a1d99b", "p", "-"),
-    "selective-compile": ("#74c476", "d", "-"),
+    "none": ("#8c510a", "o", "-"), "selective": ("#1a9641", "*", "-"), "full": ("#e7298a", "s", "-"),
+    "selective-compile": ("#000000", "d", "-"),
     "llama-sdpa": ("#54278f", "<", ":"), "llama-selective": ("#9e9ac8", ">", ":"),
 }
 
@@ -181,8 +182,20 @@ def _title(cfg, what):
                                                                                if cfg.get("quick") else ""))
 
 
-def _finish(fig, ax, path, title):
-    ax.set_title(title, fontsize=9)
+def timing_note(cfg):
+    """The mark a plot of times carries when the load average showed other work while the rows were timed
+    (the console's warning, short), or None."""
+    from .output import busy_note
+
+    return busy_note(cfg.get("load_avg_peak"))
+
+
+def _finish(fig, ax, path, title, note=None):
+    if note:  # in the title, and across the plot behind the data, in red, where it cannot be missed
+        ax.text(0.5, 0.5, "busy machine:\nunreliable times", transform=ax.transAxes, ha="center", va="center",
+                fontsize=26, color="#cc0000", alpha=0.15, fontweight="bold", rotation=20, zorder=0)
+        title = f"{title}\n{note}"
+    ax.set_title(title, fontsize=9, color="#cc0000" if note else "black")
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
     fig.savefig(path, dpi=130, bbox_inches="tight")
@@ -224,7 +237,7 @@ def write_plots(results, cfg, out):
                     markersize=6, capsize=3, elinewidth=1, label=ROW_LABELS[row])
     _log_axes(ax, seqs, "forward+backward step (ms, log): median, bars p20-p80")
     paths.append(Path(out) / "step_time.png")
-    _finish(fig, ax, paths[-1], _title(cfg, "step time"))
+    _finish(fig, ax, paths[-1], _title(cfg, "step time"), timing_note(cfg))
     plt.close(fig)
 
     paths.append(_tradeoff_plot(plt, series, seqs, cfg, Path(out) / "tradeoff.png"))
@@ -265,6 +278,7 @@ def _tradeoff_plot(plt, series, seqs, cfg, path):
     ax.set_yscale("log")
     ax.set_xlabel("forward+backward step (ms, log; bars p20-p80)")
     ax.set_ylabel("kept for backward per layer (MiB, log)")
-    _finish(fig, ax, path, _title(cfg, "memory against time: lower left is better; lines join a row's lengths"))
+    _finish(fig, ax, path, _title(cfg, "memory against time: lower left is better; lines join a row's lengths"),
+            timing_note(cfg))
     plt.close(fig)
     return path

@@ -1,8 +1,26 @@
 """Configs the fit tool reads: a config.json path, or a bundled config built from published sizes."""
 
+import importlib.util
 import json
 import os
 from importlib import resources
+
+HF_EXTRA = 'pip install "selective_ckpt[hf]"'
+
+
+class MissingExtra(ImportError):
+    """A package the fit needs is not installed; the message names it and the extra that installs it."""
+
+
+def require(*packages, what="selective_ckpt.fit"):
+    """Raises MissingExtra naming the first of `packages` that is not installed and the line that installs it."""
+    for name in packages:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise MissingExtra(f"{what} needs {name}, which is not installed: {HF_EXTRA}")
 
 # Published sizes (each model's config.json on its model card), as package data in bundled/: only what
 # the memory model reads.
@@ -27,8 +45,9 @@ def load_config(config):
     """A transformers config from a bundled name, a config.json path, a dict or a config object.
 
     Raises ValueError naming the field when a size the memory model reads is missing or not positive,
-    or the model type is unknown to transformers.
+    or the model type is unknown to transformers; MissingExtra (an ImportError) when transformers is not installed.
     """
+    require("transformers")
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):

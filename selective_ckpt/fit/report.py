@@ -1,36 +1,168 @@
-"""The fit report as text: the step's parts, each variant's peak and phases, the longest context that fits."""
+"""The fit report as text: what the step holds, each variant's peak and longest context, what the model leaves
+out, and last the recommendation with the calls that apply it. Every line fits WIDTH columns unless `wide`."""
+
+import textwrap
 
 from ..memory.units import format_bytes
 from .arithmetic import ALLOCATOR_SHARE, VARIANTS
 
+WIDTH = 100
+NAME = 38  # the longest variant name, "transformers + gradient checkpointing", and a space
 
-def report(result):
-    """Text of a Fit: parts, one row per variant, and what the model does not cover."""
+# (heading line 1, heading line 2, width) of the columns, and what each means
+MEMORY_COLUMNS = (("kept per", "layer", 11), ("kept outside", "layers", 14), ("loss head", "transient", 12),
+                  ("layer backward", "transient", 16))
+PEAK_COLUMNS = (("allocator", "share", 11), ("", "peak", 12))
+LEGEND = (
+    "kept per layer: the activations one decoder layer keeps for backward",
+    "kept outside layers: the activations kept outside the decoder layers (embeddings, the first layer's input)",
+    "loss head transient: the most the loss head (logits, loss and their gradients) holds above the kept "
+    "activations",
+    "layer backward transient: the most one decoder layer's backward holds above what it reads",
+    f"allocator share: {ALLOCATOR_SHARE * 100:.0f} % of the peak for the caching allocator's rounding and "
+    "fragmentation",
+    "ours plan: a mode per layer, the least recompute that fits (the fewest \"full\" layers, then the fewest "
+    "\"selective\"); its longest context is the longest any such plan fits",
+    "transformers + gradient checkpointing: transformers' activation checkpointing (Trainer's "
+    "activation_checkpointing=True, gradient_checkpointing=True on older transformers)",
+)
+
+
+def report(result, wide=False):
+    """Text of a Fit: parts, one row per variant in two tables (one with `wide`), what the model does not
+    cover, and the recommendation with the calls that apply it."""
     r = result
-    lines = [f"model type {r.model_type}, {r.num_layers} layers; {r.form}; batch {r.batch}, context {r.seq_len}; "
-             f"GPU {format_bytes(r.gpu_bytes)}",
-             "", "step parts (bytes):"]
+    out = _wrap([f"model type {r.model_type}, {r.num_layers} layers; GPU {format_bytes(r.gpu_bytes)} "
+                 f"({r.gpu_bytes} bytes)", f"{r.form}",
+                 f"batch {r.batch}, context {r.seq_len} tokens per sample{_why_context(r)}"], wide)
+    if r.source != "simulated":
+        out += _wrap([f"(the figures at context {r.seq_len} are {r.source})"], wide)
+    out += ["", "what the step holds besides activations:"]
     for k, v in r.parts.items():
-        lines.append(f"  {k:<28}{format_bytes(v):>12}")
-    head = (f"  {'variant':<40}{'kept/layer':>12}{'outside':>12}{'head tr.':>12}{'layer bwd tr.':>14}"
-            f"{'allocator':>12}{'peak':>12}  fits  longest context")
-    lines += ["", f"per variant at context {r.seq_len} (peak = parts + activations + transients + "
-              f"{ALLOCATOR_SHARE:.0%} allocator share):", head]
-    for name in VARIANTS:
-        v = r.variants.get(name)
-        if v is None:
-            continue
-        longest = r.max_context.get(name, "-")
+        out.append(f"  {k + (' (AdamW)' if k == 'optimizer state' else ''):<28}{format_bytes(v):>12}")
+    rows = [(name, r.variants[name]) for name in VARIANTS if name in r.variants]
+    out += [""] + _wrap([f"per variant at context {r.seq_len} (peak: the parts above, kept activations, transients, "
+                         f"allocator share):"], wide)
+    if wide:
+        out += _table(r, rows, MEMORY_COLUMNS + PEAK_COLUMNS, peak=True)
+    else:
+        out += _table(r, rows, MEMORY_COLUMNS, peak=False)
+        out += [""] + _table(r, rows, PEAK_COLUMNS, peak=True)
+    errors = {}
+    for name, v in rows:
         if v.error is not None:
-            lines.append(f"  {name:<40}not modelled: {v.error}")
+            errors.setdefault(v.error, []).append(name)
+    out += _wrap([f"{', '.join(names)}: not modelled: {error}" for error, names in errors.items()], wide)
+    for name, source in r.max_context_from.items():
+        out += _wrap([f"{name}'s longest context is {source}'s: every layer \"full\" is a plan, and no other plan "
+                      f"fits a longer one"], wide)
+    out += ["", "columns:"] + _wrap([f"- {x}" for x in LEGEND], wide, indent="  ")
+    out += ["", "not modelled:"] + _wrap([f"- {x}" for x in r.not_modelled], wide, indent="  ")
+    out += [""] + _wrap(recommendation(r), wide)
+    return "\n".join(out)
+
+
+def _why_context(r):
+    if r.seq_len_asked != "max":
+        return ""
+    if r.max_context.get("ours selective"):
+        return " (--seq-len max: the longest \"ours selective\" fits)"
+    return " (--seq-len max: the longest any variant fits)" if any(r.max_context.values()) else \
+        " (--seq-len max: no variant fits a single token)"
+
+
+def _table(r, rows, columns, peak):
+    """A table of `columns` (MEMORY_COLUMNS or PEAK_COLUMNS and the fit columns) with a two-line heading."""
+    head1 = f"  {'':<{NAME}}" + "".join(f"{a:>{w}}" for a, _, w in columns)
+    head2 = f"  {'variant':<{NAME}}" + "".join(f"{b:>{w}}" for _, b, w in columns) + \
+        ("  fits  longest context" if peak else "")
+    lines = [head1.rstrip(), head2]
+    for name, v in rows:
+        if v.error is not None:
+            lines.append(f"  {name:<{NAME}}not modelled (below)")
             continue
         share = int(v.peak * ALLOCATOR_SHARE)
-        lines.append(f"  {name:<40}{format_bytes(v.kept_per_layer):>12}{format_bytes(v.kept_outside):>12}"
-                     f"{format_bytes(v.head_transient):>12}{format_bytes(v.layer_transient):>14}"
-                     f"{format_bytes(share):>12}{format_bytes(v.peak + share):>12}  "
-                     f"{'yes ' if r.fits(name) else 'no  '}  {longest}")
-        if v.modes:
-            counts = {m: v.modes.count(m) for m in dict.fromkeys(v.modes)}
-            lines.append(f"  {'':<40}plan: " + ", ".join(f"{n} x {m}" for m, n in counts.items()))
-    lines += ["", "not modelled:"] + [f"  - {x}" for x in r.not_modelled]
-    return "\n".join(lines)
+        cells = {"kept per": v.kept_per_layer, "kept outside": v.kept_outside, "loss head": v.head_transient,
+                 "layer backward": v.layer_transient, "allocator": share, "": v.peak + share}
+        line = f"  {name:<{NAME}}" + "".join(f"{format_bytes(cells[a]):>{w}}" for a, _, w in columns)
+        if peak:
+            line += f"  {'yes ' if r.fits(name) else 'no  '}  {r.max_context.get(name, '-')}"
+        lines.append(line)
+        if v.modes and peak:
+            lines.append(f"  {'':<4}plan: {_plan_text(v.modes)}")
+    return lines
+
+
+def _counts(modes):
+    """[(mode, layers)] of a plan, in layer order ("full" layers first)."""
+    out = []
+    for m in modes:
+        if out and out[-1][0] == m:
+            out[-1][1] += 1
+        else:
+            out.append([m, 1])
+    return [tuple(x) for x in out]
+
+
+def _plan_text(modes):
+    return ", ".join(f"{n} x {m}" for m, n in _counts(modes))
+
+
+def recommendation(r):
+    """Lines: the variant with the least recompute that fits at the report's context, and the calls that apply
+    it (convert / set_recompute, the Trainer flags it implies); or, where none fits, the way out."""
+    at = f"at context {r.seq_len}, batch {r.batch}"
+    plan = r.variants.get("ours plan")
+    peft = "  # before or after get_peft_model" if r.form.kind != "full" else ""
+    if plan is not None and plan.error is None and r.fits("ours plan"):
+        counts = _counts(plan.modes)
+        if len(counts) == 1:
+            lines = [f"recommendation {at}: ours, every layer \"{counts[0][0]}\" (peak {_with_share(plan.peak)} of "
+                     f"{format_bytes(r.gpu_bytes)})",
+                     f"  model = selective_ckpt.convert(model, recompute=\"{counts[0][0]}\"){peft}"]
+        else:
+            lines = [f"recommendation {at}: ours plan, {_plan_text(plan.modes)} (peak {_with_share(plan.peak)} of "
+                     f"{format_bytes(r.gpu_bytes)})",
+                     f"  model = selective_ckpt.convert(model){peft}",
+                     "  selective_ckpt.set_recompute(model, " + " + ".join(f"[\"{m}\"] * {n}" for m, n in counts)
+                     + ")"]
+        if r.form.kind == "qlora":  # peft's default turns transformers' checkpointing on
+            lines.insert(1, "  model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)")
+        return lines + [f"  Trainer or TRL's SFTConfig: activation_checkpointing=False{_precision(r.form)}",
+                        "  (gradient_checkpointing=False on older transformers; SFTConfig turns it on by default, and "
+                        "under it every converted layer runs \"full\")"]
+    for name in ("transformers", "transformers + gradient checkpointing"):
+        v = r.variants.get(name)
+        if v is not None and v.error is None and r.fits(name):
+            on = "checkpointing" in name
+            return [f"recommendation {at}: {name} (peak {_with_share(v.peak)} of {format_bytes(r.gpu_bytes)})",
+                    f"  Trainer or TRL's SFTConfig: activation_checkpointing={on}{_precision(r.form)}",
+                    f"  (gradient_checkpointing={on} on older transformers)"]
+    best = max(r.max_context, key=r.max_context.get) if r.max_context else None
+    if best is not None and r.max_context[best]:
+        return [f"nothing fits {at}: the longest context that fits is {r.max_context[best]} ({best}); try "
+                f"--seq-len {r.max_context[best]}, a smaller --batch or a lighter --form"]
+    return [f"nothing fits {at}, not even one token per sample: try a lighter --form (lora, qlora) or a larger GPU"]
+
+
+def _precision(form):
+    import torch
+
+    if form.autocast is None or form.weights != torch.float32:
+        return ""
+    return f", {'bf16' if form.autocast == torch.bfloat16 else 'fp16'}=True"
+
+
+def _with_share(peak):
+    return format_bytes(peak * (1 + ALLOCATOR_SHARE))
+
+
+def _wrap(lines, wide, indent=""):
+    """Lines wrapped to WIDTH (continuations indented two more than `indent`), unless `wide`."""
+    if wide:
+        return [indent + x for x in lines]
+    out = []
+    for x in lines:
+        out += textwrap.wrap(x, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                             break_on_hyphens=False, break_long_words=False) or [""]
+    return out

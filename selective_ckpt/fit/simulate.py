@@ -187,7 +187,10 @@ def checkpointing(model, on):
     Trainer(gradient_checkpointing=True) with use_reentrant=False runs it) on or off."""
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not on:
-        root.gradient_checkpointing_disable()
+        if hasattr(root, "activation_checkpointing_disable"):  # the older name warns where this one exists
+            root.activation_checkpointing_disable()
+        else:
+            root.gradient_checkpointing_disable()
     elif hasattr(root, "activation_checkpointing_enable"):  # the older name warns where this one exists
         root.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:

@@ -11,7 +11,7 @@ from ..keeping import pipeline
 from ..keeping.attention_kept import attention_kept_checkpoint
 from ..keeping.policy import CHECKPOINTED, NAMED, resolve
 from ..registry import STATE
-from .patches import PATCHED, patch_forward
+from .patches import MLP_TILES, PATCH, PATCHED, patch_forward, runs_in_tiles
 
 
 class ConversionError(ValueError):
@@ -42,12 +42,13 @@ class ConvertedLayerState:
     policy says so.
     """
 
-    def __init__(self, layer, mode, shape_of=None, name=None):
+    def __init__(self, layer, mode, shape_of=None, name=None, mlp=None):
         self.layer = layer
         self.engine = None  # the model's keeping.offload.OffloadEngine while a policy offloads
+        self.name = name or type(layer).__name__
+        self.mlp_child = mlp  # the name of the layer's MLP child, which runs in the policy's mlp_tiles tiles
         self.recompute = mode
         self._shape_of = shape_of
-        self.name = name or type(layer).__name__
         self.checked = None  # module count when the adapters were last checked (models/peft.py)
         self.patches = []  # (module, its patched forward) in the layer as last checked
         self.warned = False
@@ -85,6 +86,11 @@ class ConvertedLayerState:
     @policy.setter
     def policy(self, value):
         value = resolve(value)
+        mlp = self._mlp_running_in(value.mlp_tiles)  # refused before anything changes
+        if mlp is not None:
+            # on the MLP module itself: the layer's re-run in backward (transformers' checkpoint of the class's
+            # forward) calls it without passing through this layer's wrapper
+            setattr(mlp, MLP_TILES, value.mlp_tiles)
         self.full_asked = value.recompute in CHECKPOINTED  # not transformers' checkpointing switched on around us
         layer = self.layer
         current = getattr(layer, "_gradient_checkpointing_func", None)
@@ -98,6 +104,23 @@ class ConvertedLayerState:
             layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
         layer.gradient_checkpointing = self.full_asked
         self._policy = value
+
+    def _mlp_running_in(self, tiles):
+        """The layer's MLP module (None where convert did not name it), or the ValueError naming the layer when
+        `tiles` > 1 and its MLP's forward does not run in tiles."""
+        name = getattr(self, "mlp_child", None)
+        mlp = getattr(self.layer, name, None) if name else None
+        if tiles == 1 or (mlp is not None and runs_in_tiles(vars(mlp).get(PATCH))):
+            return mlp
+        asked = f"{self.name}: the policy's mlp_tiles={tiles}"
+        if mlp is None:
+            raise ValueError(f"{asked} cannot apply: this layer's MLP is not known (convert the model again)")
+        if hasattr(mlp, "experts"):
+            raise ValueError(f"{asked} cannot apply: its MLP {self.mlp_child} ({type(mlp).__name__}) is a mixture of "
+                             "experts, and mixture-of-experts MLPs are not run in tiles; give this layer a policy "
+                             "with mlp_tiles=1")
+        raise ValueError(f"{asked} cannot apply: its MLP {self.mlp_child} ({type(mlp).__name__}) has a forward that "
+                         "does not run in tiles; give this layer a policy with mlp_tiles=1")
 
     @property
     def recompute(self):
@@ -198,8 +221,9 @@ class ModeAnnouncement:
         if any(s.recompute in CHECKPOINTED and not s.full_asked for s in self.states):
             log.warning(f"selective_ckpt: decoder layers run {said}: \"full\" re-runs a layer's forward in "
                         "backward (gradient checkpointing is on). For selective recompute at no such cost, train "
-                        "with gradient_checkpointing=False (TRL's SFTConfig turns it on by default); for a "
-                        "budget, selective_ckpt.set_recompute(model, plan) or transformers' "
+                        "with activation_checkpointing=False (gradient_checkpointing=False on older transformers; "
+                        "TRL's SFTConfig turns it on by default); for a budget, "
+                        "selective_ckpt.set_recompute(model, plan) or transformers' "
                         "activation_checkpointing_kwargs={'every_n_layers': k}")
         else:
             log.info(f"selective_ckpt: decoder layers run {said}")
@@ -212,9 +236,10 @@ def announce_modes(layers):
         state.modes = modes
 
 
-def convert_decoder_layer(layer, mode, shape_of=None, name=None):
-    """Wraps the layer's forward in its pipeline (keeping.pipeline) under its policy; modules and parameters stay."""
+def convert_decoder_layer(layer, mode, shape_of=None, name=None, mlp=None):
+    """Wraps the layer's forward in its pipeline (keeping.pipeline) under its policy; modules and parameters stay.
+    `mlp`: the name of the layer's MLP child, given the policy's tile count (keeping.tiling)."""
     if not hasattr(type(layer), "gradient_checkpointing"):
         raise ConversionError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer")
-    setattr(layer, STATE, ConvertedLayerState(layer, mode, shape_of, name))
+    setattr(layer, STATE, ConvertedLayerState(layer, mode, shape_of, name, mlp))
     patch_forward(layer, _decoder_layer_forward)

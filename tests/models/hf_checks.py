@@ -164,20 +164,27 @@ def check_lora_both_orders(build, targets=("q_proj", "v_proj", "down_proj")):
 
 
 def check_modes_identical(model, ids, mask):
-    """"none", "selective", "full", "attention-kept" (and gradient_checkpointing_enable) give the same bits."""
+    """"none", "selective", "full", "attention-kept" (and transformers' own checkpointing) give the same
+    bits."""
     from selective_ckpt import set_recompute
 
     results = []
     for mode in ("none", "selective", "full", "attention-kept", "hf"):
         if mode == "hf":
             set_recompute(model, "selective")
-            model.gradient_checkpointing_enable()
+            if hasattr(model, "activation_checkpointing_enable"):  # the older name warns where this one exists
+                model.activation_checkpointing_enable()
+            else:
+                model.gradient_checkpointing_enable()
             assert set_recompute.__module__ and all(m._selective_ckpt.recompute == "full" for m in _layers(model))
         else:
             set_recompute(model, mode)
         torch.manual_seed(3)
         results.append(_step(model, input_ids=ids, attention_mask=mask))
-    model.gradient_checkpointing_disable()
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
     for logits, grads in results[1:]:
         assert torch.equal(logits, results[0][0])
         for n, g in grads.items():

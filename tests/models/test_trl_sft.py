@@ -57,9 +57,9 @@ def _train(model, tmp_path, name, **overrides):
 def test_packed_sft_follows_the_unconverted_loss_curve(tmp_path, caplog):
     plain = _model()
     ours = convert(copy.deepcopy(plain))
-    ref = _train(plain, tmp_path, "plain", gradient_checkpointing=False)
+    ref = _train(plain, tmp_path, "plain", activation_checkpointing=False)
     with caplog.at_level(logging.INFO, logger="selective_ckpt"):
-        got = _train(ours, tmp_path, "ours", gradient_checkpointing=False)
+        got = _train(ours, tmp_path, "ours", activation_checkpointing=False)
     assert len(got) == len(ref) == 6
     for a, b in zip(got, ref):
         assert abs(a - b) <= 2e-4 * abs(b), (got, ref)

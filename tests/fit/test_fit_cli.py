@@ -1,0 +1,126 @@
+"""python -m selective_ckpt.fit as a newcomer meets it: sizes, card names and contexts as people write them, every
+default and what "max" means in --help, errors in one line naming the flag (in GiB, with the way out), one line
+naming the extra when transformers is missing, no third-party noise on stderr, and an answer that ends with the
+calls that apply it in lines of at most 100 columns."""
+
+import subprocess
+import sys
+
+import pytest
+
+from selective_ckpt.fit import TrainingForm, fit
+from selective_ckpt.fit.__main__ import GPUS, main, parse_bytes, parse_seq_len
+from selective_ckpt.fit.configs import MissingExtra
+
+GIB, MIB = 2 ** 30, 2 ** 20
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("80GB", 80e9), ("80 GB", 80e9), ("80gb", 80e9), ("24GiB", 24 * GIB), ("141e9", 141e9), ("0.5TB", 0.5e12),
+    ("H100", 81559 * MIB), ("H100-80GB", 81559 * MIB), ("h100 80gb", 81559 * MIB), ("H200", 143771 * MIB),
+    ("A100-80GB", 81920 * MIB), ("A100-40GB", 40960 * MIB), ("RTX-4090", 24564 * MIB), ("RTX4090", 24564 * MIB),
+    ("L4", 23034 * MIB), ("A10G", 23028 * MIB), ("L40S", 46068 * MIB)])
+def test_gpu_sizes_and_cards(text, expected):
+    assert parse_bytes(text) == int(expected)
+
+
+def test_every_card_has_its_reported_memory():
+    assert set(GPUS) >= {"H100-80GB", "A100-80GB", "A100-40GB", "H200", "RTX-4090", "L4", "A10G", "L40S", "H100"}
+    for name in GPUS:
+        assert parse_bytes(name) == GPUS[name] * MIB
+
+
+@pytest.mark.parametrize("text", ["80 furlongs", "GB", "", "-80GB", "0GB", "A100"])
+def test_a_bad_gpu_names_the_flag(text):
+    with pytest.raises(ValueError, match="--gpu"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("text, expected", [("8k", 8192), ("8K", 8192), ("128K", 131072), ("131072", 131072),
+                                            ("1.5k", 1536), ("max", "max"), ("MAX", "max"), ("1M", 1 << 20)])
+def test_seq_len_in_tokens_and_k(text, expected):
+    assert parse_seq_len(text) == expected
+
+
+@pytest.mark.parametrize("text", ["8x", "0", "1.3k", "-5", "", "eight"])
+def test_a_bad_seq_len_names_the_flag(text):
+    with pytest.raises(ValueError, match="--seq-len"):
+        parse_seq_len(text)
+
+
+def test_help_shows_every_default_and_what_max_means(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for default in ("--batch BATCH", "(default: 1)", "(default: max)", "(default: full)", "(default: float32)",
+                    "(default: none)", "(default: 16)", "(default: 0.0)", "q_proj, k_proj"):
+        assert default in text, default
+    for said in ("longest context", "80GB is 80e9 bytes", "nvidia-smi", "K = 1024", "128K", 'selective_ckpt[hf]'):
+        assert said in " ".join(text.split()), said
+
+
+def test_a_bad_flag_is_one_line_naming_it(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["Llama-3.1-8B", "--gpu", "80GB", "--seq-len", "8x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--seq-len" in err and "'8x'" in err, err
+
+
+def test_weights_over_the_gpu_say_so_in_gib_with_the_way_out(capsys):
+    """Forgetting --form on 80 GB: the weights and AdamW state of a full fp32 fine-tune do not fit; the flag, both
+    sizes in GiB and the forms that would fit (--gpu given as two words, as people type it)."""
+    assert main(["Llama-3.1-8B", "--gpu", "80", "GB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("error: --gpu 80GB (74.5 GiB) holds less than the weights and optimizer state alone "
+                        "(89.7 GiB) for --form full: try --form lora or --form qlora"), err
+    with pytest.raises(ValueError, match=r"gpu_bytes: .*\(74\.5 GiB\).*\(89\.7 GiB\).*TrainingForm\('lora'\)"):
+        fit("Llama-3.1-8B", 80e9, seq_len=4096)
+
+
+def test_without_transformers_it_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what an import finds when it is not installed
+    assert main(["Llama-3.1-8B", "--gpu", "80GB"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "transformers" in err and 'pip install "selective_ckpt[hf]"' in err, err
+    with pytest.raises(MissingExtra, match=r"transformers.*selective_ckpt\[hf\]"):
+        fit("Llama-3.1-8B", 80e9)
+    assert issubclass(MissingExtra, ImportError)
+
+
+def test_lora_without_peft_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(MissingExtra, match=r"peft.*selective_ckpt\[hf\]"):
+        fit("Llama-3.1-8B", 80e9, form=TrainingForm("lora"))
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """The one command-line run (about 20 s): LoRA under bf16 autocast, the README's example."""
+    return subprocess.run([sys.executable, "-m", "selective_ckpt.fit", "Llama-3.1-8B", "--gpu", "80GB", "--form",
+                           "lora", "--autocast", "bfloat16", "--seq-len", "4096"],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_no_third_party_noise_on_stderr(cli):
+    """bitsandbytes, which nothing of the fit needs, is not imported: its CPU kernel line is not printed."""
+    assert cli.returncode == 0, cli.stderr
+    assert "gemm_4bit" not in cli.stderr and "kernels-community" not in cli.stderr, cli.stderr
+
+
+def test_the_answer_ends_with_the_calls_that_apply_it(cli):
+    lines = cli.stdout.rstrip("\n").split("\n")
+    assert max(len(x) for x in lines) <= 100, max(lines, key=len)
+    text = cli.stdout
+    for column in ("kept per layer", "kept outside layers", "loss head transient", "layer backward transient",
+                   "allocator share", "longest context"):
+        assert column in text, column
+    assert "head tr." not in text and "bwd tr." not in text
+    for part in ("weights", "gradients", "optimizer state", "transformers + gradient checkpointing", "ours plan",
+                 "not modelled"):
+        assert part in text, part
+    tail = "\n".join(lines[lines.index(next(x for x in lines if x.startswith("recommendation"))):])
+    assert tail == "\n".join(lines[-len(tail.split("\n")):])
+    assert "selective_ckpt.convert(model" in tail
+    assert "activation_checkpointing=False" in tail and "bf16=True" in tail
