@@ -14,8 +14,16 @@ Three kinds of call run transformers' own attention instead, for that call only:
 - a mask that is neither causal + key padding nor causal packed documents (a tree mask, an
   additive bias, one that differs between heads): transformers' SDPA attention with that mask;
   warned once;
-- a kv cache without gradients (generate: Sq != Sk): transformers' SDPA attention with the same
-  mask. With gradients a kv cache is refused.
+- queries against earlier keys (Sq != Sk: generate's kv cache, a decoding loop with gradients, PEFT's
+  prefix tuning): transformers' SDPA attention with the same mask (soft-capped scores: the family's eager
+  attention); warned once when gradients are on, as such calls keep what SDPA keeps.
+
+Rows with nothing to attend (left padding's pad rows) give 0 in our kernel, as in SDPA; transformers' eager
+attention gives them a uniform softmax over all keys (the mean of v), and the first real token's prediction
+reads such a row. Where the unconverted model ran eager attention (recorded at convert by
+`record_reference`; Gemma2's only attention), those rows are recomputed as eager computes them, forward and
+backward (`_RowsAttendingNothing`); such a batch keeps the attention output a second time (the
+out-projection's input), a batch without such rows keeps the floor.
 """
 
 import sys
@@ -32,13 +40,49 @@ from .common import ConversionError
 NAME = "selective_ckpt"
 
 
-def register():
-    """Registers the attention function and its mask builder with transformers (idempotent)."""
+def register(root=None):
+    """Registers the attention function and its mask builder with transformers (idempotent). With `root` (a
+    model about to be converted), first records the attention it runs (record_reference)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    if root is not None:
+        record_reference(root)
     AttentionInterface.register(NAME, selective_attention)
     AttentionMaskInterface.register(NAME, build_mask)
+
+
+_REFERENCE = "_selective_ckpt_reference_attention"
+
+
+def record_reference(root):
+    """Notes on every module of `root` that has a config the attention implementation that config names now
+    (before convert switches it to "selective_ckpt"): the unconverted model's own attention, which the
+    converted one follows where our kernel's contract differs from it (rows that attend nothing). A module
+    attribute, so it is neither in the state dict nor in a saved config; deepcopy and pickling keep it."""
+    for m in root.modules():
+        impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
+        if isinstance(impl, str) and impl != NAME:
+            m.__dict__[_REFERENCE] = impl
+
+
+_FAMILY_SDPA = {}
+
+
+def reference_attention(module):
+    """The attention the unconverted model ran for this attention module: the one recorded at convert, else
+    the family's default (transformers' SDPA where the family supports it, eager where it does not, as Gemma2)."""
+    impl = module.__dict__.get(_REFERENCE)
+    if impl is not None:
+        return impl
+    name = type(module).__module__
+    if name not in _FAMILY_SDPA:
+        from transformers import PreTrainedModel
+
+        owners = [c for c in vars(sys.modules.get(name, object)).values()
+                  if isinstance(c, type) and issubclass(c, PreTrainedModel) and c is not PreTrainedModel]
+        _FAMILY_SDPA[name] = all(getattr(c, "_supports_sdpa", True) for c in owners)
+    return "sdpa" if _FAMILY_SDPA[name] else "eager"
 
 
 _MASK_DTYPE = [None]  # dtype of the model's latest mask: the eager mask's fill value is that dtype's min
@@ -131,7 +175,7 @@ def _forget(ref):
 
 def _cached_describe(mask, batch, seq, window, name, heads):
     """describe_mask, once per mask for all layers; an Inexpressible mask stays so for every layer."""
-    if mask.is_inference() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or mask.is_inference():
         return describe_mask(mask, batch, seq, window, name, heads)
     last = _LAST[0]
     key = (mask._version, batch, seq, window, heads)
@@ -248,6 +292,83 @@ def _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling,
                                   is_causal=is_causal, **kwargs)
 
 
+def _uniform(n, dtype):
+    """1 / n as eager's softmax output of a constant row after its cast to `dtype` (a Python float)."""
+    return float(torch.tensor(1.0 / n, dtype=torch.float32).to(dtype))
+
+
+class _RowsAttendingNothing(torch.autograd.Function):
+    """The rows of a query that attend no key, as transformers' eager attention computes them: every score is
+    the mask's minimum (a score plus min rounds to min), so the softmax is uniform over all Sk keys and the
+    row's output is the mean of v; eager's autograd still differentiates through the softmax and the
+    soft-cap at the unmasked scores, so q and k get gradients from such rows too, which backward computes
+    the same way (the scores of these rows recomputed). Keeps q, k, v (the ones attention keeps) and the
+    row positions.
+
+    q [B, H, S, D], k and v [B, Hkv, Sk, D], rows [B, P] positions (the first `valid` of each row are real,
+    the rest filler whose output is discarded). Returns [B, H, P, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rows, valid, scaling, softcap):
+        B, H, _, D = q.shape
+        Hkv, Sk = k.shape[1], k.shape[2]
+        mean = (v.float().sum(dim=2) * _uniform(Sk, v.dtype)).to(v.dtype)  # [B, Hkv, D]
+        out = mean.repeat_interleave(H // Hkv, dim=1)[:, :, None, :].expand(B, H, rows.shape[1], D).contiguous()
+        ctx.scaling, ctx.softcap = scaling, softcap
+        ctx.save_for_backward(q, k, v, rows, valid)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, rows, valid = ctx.saved_tensors
+        B, H, _, D = q.shape
+        Hkv, Sk = k.shape[1], k.shape[2]
+        G, P = H // Hkv, rows.shape[1]
+        p = 1.0 / Sk  # the softmax output, float32 as eager's softmax computes it
+        dout = (dout.float() * valid[:, None, :, None]).reshape(B, Hkv, G * P, D)  # head h = kv head h // G
+        kf, vf = k.float(), v.float()
+        dv = (dout.sum(dim=2) * _uniform(Sk, v.dtype))[:, :, None, :]
+        dp = dout @ vf.transpose(-1, -2)  # [B, Hkv, G*P, Sk]
+        ds = p * (dp - p * dp.sum(dim=-1, keepdim=True))
+        index = rows[:, None, :, None].expand(B, H, P, D)
+        q_rows = q.gather(2, index).float().reshape(B, Hkv, G * P, D)
+        if ctx.softcap is not None:
+            t = torch.tanh(q_rows @ kf.transpose(-1, -2) * (ctx.scaling / ctx.softcap))
+            ds = ds * (1 - t * t)
+        ds = ds * ctx.scaling
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq.scatter_add_(2, index, (ds @ kf).reshape(B, H, P, D))
+        dk = ds.transpose(-1, -2) @ q_rows
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.expand(B, Hkv, Sk, D).to(v.dtype), None, None, None, None)
+
+
+def rows_attending_nothing(pad, window=None):
+    """[B, S] bool: the causal rows with no unpadded key among the keys they may see (left padding's pad
+    rows), from the key padding mask `pad` [B, S] (True = a real token) and the sliding window."""
+    seen = pad.to(torch.int32).cumsum(-1)
+    if window and window < pad.shape[1]:
+        before = torch.zeros_like(seen)
+        before[:, window:] = seen[:, :-window]
+        seen = seen - before
+    return seen == 0
+
+
+def _as_eager_on_rows_attending_nothing(o, query, key, value, dead, scaling, softcap):
+    """o [B, H, S, D] from our kernel (0 on rows attending nothing) with those rows as transformers' eager
+    attention computes them. A new tensor: the layer keeps it (its out-projection's input) besides the
+    kernel's o, one more h per token, while a batch has such rows."""
+    counts = dead.sum(-1)
+    P = int(counts.max())  # a host read: the padded batch's mask description has read the mask already
+    rows = torch.argsort((~dead).to(torch.int8), dim=-1, stable=True)[:, :P]  # each row's dead positions, in order
+    valid = torch.arange(P, device=dead.device)[None, :] < counts[:, None]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = _RowsAttendingNothing.apply(query, key, value, rows, valid, scale, softcap)
+    b, r = valid.nonzero(as_tuple=True)
+    o = o.clone()
+    o[b, :, rows[b, r]] = out[b, :, r]
+    return o
+
+
 def _own_buffers(query, key, value):
     """q, k, v as attention keeps them: one that is a view into a larger buffer none of the others keeps
     alive (GPT-NeoX's packed query_key_value output, of which RoPE made new q and k and only v is still a
@@ -278,7 +399,9 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     Sk = key.shape[2]
     if Sq != Sk:
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-            raise ConversionError(f"{name}: a kv cache (Sq={Sq} != Sk={Sk}) is supported without gradients only")
+            _warn_once("cache", f"{name}: a call with earlier keys (a kv cache or prefix, Sq={Sq} != Sk={Sk}) and "
+                                "gradients runs transformers' SDPA attention, keeping what SDPA keeps (this call "
+                                "only; other calls keep the floor)")
         return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if not causal:
         raise ConversionError(f"{name}: only causal self-attention is supported")
@@ -306,4 +429,10 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     seed = rng.draw_seed_tensor(query.device) if dropout > 0 else None
     o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu,
                   softcap=kwargs.get("softcap"))
+    if pad is not None and reference_attention(module).startswith("eager"):
+        # rows with nothing to attend give 0 in our kernel; the unconverted model's eager attention gives them
+        # a uniform softmax over all keys, and its first real token's prediction reads such a row
+        dead = rows_attending_nothing(pad, window)
+        if bool(dead.any()):
+            o = _as_eager_on_rows_attending_nothing(o, query, key, value, dead, scaling, kwargs.get("softcap"))
     return o.transpose(1, 2), None

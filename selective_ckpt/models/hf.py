@@ -288,7 +288,7 @@ def apply(root, layers, patches, mode, spec):
     """Registers attention, patches the forwards and gives each decoder layer its recompute mode and
     its shape reader (its LayerShape fields for the memory planner), and installs the fused
     loss head on a causal LM (models/loss_head.py)."""
-    attention.register()
+    attention.register(root)  # records the attention the model ran before, which fully masked rows follow
     root.config._attn_implementation = attention.NAME
     for module, forward in patches:
         patch_forward(module, forward)
@@ -296,7 +296,7 @@ def apply(root, layers, patches, mode, spec):
     names = {id(m): n for n, m in root.named_modules()}
     for layer in layers:
         convert_decoder_layer(layer, mode, functools.partial(spec.shape, config=root.config, spec=spec),
-                              names.get(id(layer)))
+                              names.get(id(layer)), _child_of_role(spec, "mlp"))
     announce_modes(layers)
     loss_head.install(root)
 

@@ -8,8 +8,10 @@ hidden states and returns a placeholder instead of logits (no N x V matmul), and
 `loss_function` (transformers' ForCausalLMLoss) is answered from those hidden states by
 `linear_cross_entropy` with its exact semantics: the label shift (or `shift_labels`),
 `ignore_index`, `num_items_in_batch`. The returned output then carries `logits=None` (a tuple
-output leaves the logits out, as transformers leaves out every None field). Eval mode and
-`labels=None` run the original forward and return the logits.
+output leaves the logits out, as transformers leaves out every None field), said once per process by a
+warning naming the switch. Eval mode and `labels=None` run the original forward and return the logits;
+`return_logits(model)` makes calls with labels run it too (transformers' own head and loss, the logits
+made and kept as in the unconverted model).
 
 The head's weight is read directly when the head is a plain nn.Linear (tied to the embeddings or
 not) or PEFT's modules_to_save wrapper around one. Any other head module (a PEFT LoRA adapter on
@@ -20,6 +22,7 @@ A model whose loss_function is not ForCausalLMLoss (a custom loss) keeps its ori
 """
 
 import inspect
+import warnings
 
 import torch
 from torch import nn
@@ -47,6 +50,47 @@ def install(root):
         patch_forward(root, causal_lm_forward)  # shows the model's own signature (pickling.BoundForward)
 
 
+_LOGITS = "_selective_ckpt_return_logits"  # instance attribute of a converted causal LM: return_logits' switch
+
+
+def _converted_heads(model):
+    return [m for m in model.modules()
+            if getattr(vars(m).get("forward"), "function", None) is causal_lm_forward and is_causal_lm(m)]
+
+
+def return_logits(model, on=True):
+    """Whether the converted causal LM(s) in `model` return logits in training with labels.
+
+    On: such calls run transformers' own lm_head and loss, so `outputs.logits` is the [B, S, vocab] tensor
+    and the loss and every gradient are the unconverted head's, at its memory: from forward to backward
+    the logits (B*S*vocab elements of the model's dtype, held by the output) and the loss's float32
+    log-softmax (B*S*vocab*4 bytes), instead of the fused head's gradients formed in forward (B*S*hidden,
+    and vocab*hidden when the head trains; docs/kernels/loss_head.md), and the unfused head's transient peak
+    (about 3 x B*S*vocab*4 bytes) in backward. Off (convert's default): the fused loss head, `logits=None`.
+    An instance attribute, so deepcopy and pickling keep it and the state dict does not see it. Returns the
+    number of heads switched; a ValueError when `model` holds no converted causal LM."""
+    heads = _converted_heads(model)
+    if not heads:
+        raise ValueError(f"{type(model).__name__} holds no causal LM converted by selective_ckpt (convert() installs "
+                         "the fused loss head on a *ForCausalLM / *LMHeadModel)")
+    for m in heads:
+        m.__dict__[_LOGITS] = bool(on)
+    return len(heads)
+
+
+_SAID = set()
+
+
+def _say_logits_dropped(model):
+    if "logits" not in _SAID:
+        _SAID.add("logits")
+        warnings.warn(f"{type(model).__name__}: in training with labels the fused loss head returns logits=None "
+                      "(it computes the loss without making them); to get logits, call "
+                      "selective_ckpt.models.loss_head.return_logits(model) (transformers' own head and loss, at "
+                      "their memory: the B x S x vocab logits and their float32 log-softmax kept until backward). "
+                      "Warned once.", UserWarning, stacklevel=2)
+
+
 def _for_causal_lm_loss():
     from transformers.loss.loss_utils import ForCausalLMLoss
     return ForCausalLMLoss
@@ -65,12 +109,14 @@ def _labels_given(original, args, kwargs):
 def causal_lm_forward(self, *args, **kwargs):
     """The causal LM's forward; in training with labels its loss comes from the fused loss head."""
     original = getattr(self, PATCHED)
-    if not self.training or not _labels_given(original, args, kwargs) or \
+    if not self.training or vars(self).get(_LOGITS) or not _labels_given(original, args, kwargs) or \
             self.loss_function is not _for_causal_lm_loss():
         return original(*args, **kwargs)
     capture = _HeadCapture(self)
     with capture:
         out = original(*args, **kwargs)
+    if not torch.compiler.is_compiling():
+        _say_logits_dropped(self)
     return capture.without_logits(out)
 
 
@@ -268,4 +314,4 @@ def module_cross_entropy(forward, hidden, labels, vocab, ignore_index=-100, num_
     return total / (labels != ignore_index).sum()
 
 
-__all__ = ["LogitSteps", "causal_lm_forward", "install", "is_causal_lm", "module_cross_entropy"]
+__all__ = ["LogitSteps", "causal_lm_forward", "install", "is_causal_lm", "module_cross_entropy", "return_logits"]

@@ -13,11 +13,19 @@ of token t with weight w_r, product p_r and q_r = dy_t @ W_down:
     dL/dw_r = q_r . p_r,   dL/dp_r = w_r * q_r,   dL/dW_down = sum_r (w_r dy_t) p_r^T,
 one matmul of dy against W_down per row block, as the unconverted backward does.
 
-Each implementation's own arithmetic is followed where it differs: "eager" adds each expert's weighted
-rows into the output in the hidden states' dtype, expert by expert, and computes under autocast in
-autocast's dtype; "grouped_mm" and "batched_mm" sum a token's top-k rows in the promoted dtype, and
-"grouped_mm" computes in the weights' dtype (its kernel ignores autocast). Any other implementation,
-expert parallelism, biased, transposed, interleaved or non-gated expert layouts are refused by name.
+Routing stays on the device: the routed rows are sorted by expert (a stable sort of the flat index), each
+expert's rows end where `searchsorted` of the sorted ids says, and the matmuls run as grouped matmuls over
+those offsets (`selective_ckpt::grouped_mm`: torch's grouped matmul where it has a kernel, float32 / bf16 /
+fp16 on CPU; otherwise one matmul per group with the offsets read on the host, as float64 does). Nothing
+is read on the host, so a layer makes no device->host sync and torch.compile(fullgraph=True) traces it
+(the op has a fake kernel for every dtype). Each row's products are those of a per-expert loop (on CPU,
+bit for bit), and the sums follow each implementation's own order: "eager" adds each expert's weighted
+rows into zeros in the hidden states' dtype, expert by expert (so a token's rows are added in ascending
+expert order, as here), and computes under autocast in autocast's dtype; "grouped_mm" and "batched_mm" sum
+a token's top-k rows in the promoted dtype, and "grouped_mm" computes in the weights' dtype (its kernel
+ignores autocast). Where autograd records nothing (no_grad, inference) transformers' own experts (and
+Qwen2-MoE's own block) run, whichever implementation the config names. Any other implementation, expert
+parallelism, biased, transposed, interleaved or non-gated expert layouts are refused by name.
 
 The router (transformers' own module and forward) is left as it is, so its logits, top-k and the
 auxiliary load-balancing loss are transformers'. Qwen2-MoE's shared expert (a gated MLP) and its
@@ -30,13 +38,12 @@ import dataclasses
 import threading
 
 import torch
-import torch.nn.functional as F
 
-from ..keeping import pipeline as recompute
 from ..activations import has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
+from ..keeping import pipeline
 from ..memory.estimate import MoE
-from ..ops.swiglu import gated_product_backward_op, gated_product_op
+from ..ops.swiglu import gated_product_backward_op, gated_product_op, gated_product_rebuild_op
 from ..storages import PLAIN_TENSOR_TYPES
 from .common import ConversionError
 from .patches import activate
@@ -52,34 +59,130 @@ def _autocast_dtype(device_type):
     return None
 
 
+def _cpu_grouped_kernel():
+    """torch's grouped matmul where it has a CPU kernel (torch >= 2.9), else None."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    if fn is None and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 9):
+        fn = getattr(torch, "_grouped_mm", None)
+    return fn
+
+
+def _grouped_kernel(a, b):
+    """torch's grouped matmul for these operands, or None where it has no kernel for them (float64, strides
+    that are not multiples of 16 bytes, CPU before torch 2.9, CUDA before sm80)."""
+    if a.dtype not in (torch.float32, torch.bfloat16, torch.float16) or b.dtype != a.dtype:
+        return None
+    if any(s != 1 and n != 1 and s * t.element_size() % 16 for t in (a, b) for s, n in zip(t.stride(), t.shape)):
+        return None
+    if a.device.type == "cuda":
+        if torch.cuda.get_device_capability(a.device) < (8, 0):
+            return None
+        return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if a.device.type == "cpu":
+        return _cpu_grouped_kernel()
+    return None
+
+
+@torch.library.custom_op("selective_ckpt::grouped_mm", mutates_args=())
+def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Row groups ending at `ends` (int32, on a's device, last = a's grouped extent):
+    a [S, K] x b [G, K, N] -> [S, N], rows of group g times b[g];
+    a [M, S] x b [S, N] -> [G, M, N], group g's columns of a times its rows of b (zeros for an empty group).
+    torch's grouped matmul where it has a kernel (the offsets stay on the device); otherwise one matmul per
+    group, the offsets read on the host. An op of its own so torch.compile sees its shapes for every dtype
+    (torch's grouped matmul traces in bfloat16 only)."""
+    kernel = _grouped_kernel(a, b)
+    if kernel is not None:
+        return kernel(a, b, offs=ends)
+    start = 0
+    if b.dim() == 3:
+        out = a.new_empty(a.shape[0], b.shape[2])
+        for g, end in enumerate(ends.tolist()):
+            if end > start:
+                out[start:end] = torch.mm(_aligned(a[start:end]), b[g])
+            start = end
+        return out
+    out = a.new_zeros(ends.shape[0], a.shape[0], b.shape[1])
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            out[g] = torch.mm(_aligned(a[:, start:end]), _aligned(b[start:end]))
+        start = end
+    return out
+
+
+def _aligned(t):
+    """t, or a copy of it (same strides) at an address BLAS takes the same path for as for a fresh tensor: CPU
+    BLAS rounds products of misaligned operands and outputs differently (float64 rows at 8-byte offsets), so
+    each group's product is computed from aligned operands into a fresh output, then copied."""
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
+@grouped_mm_op.register_fake
+def _(a, b, ends):
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(ends.shape[0], a.shape[0], b.shape[1])
+
+
+def _grouped_mm_flops(a_shape, b_shape, ends_shape, *args, out_shape=None, **kwargs):
+    """torch.utils.flop_counter's count: each routed row (or, [M, S] x [S, N], each column of a) once."""
+    if len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+try:
+    from torch.utils.flop_counter import register_flop_formula
+except ImportError:  # an older torch counts no custom op
+    pass
+else:
+    register_flop_formula(torch.ops.selective_ckpt.grouped_mm)(_grouped_mm_flops)
+
+
+def _routes(index, num_experts):
+    """(order, ends) of a [tokens, top_k] index: the flat positions sorted by expert (stable, so forward and
+    backward walk the same rows in the same order) and, per expert, where its rows end, as an int32 tensor on
+    the index's device. Nothing is read on the host."""
+    flat = index.reshape(-1)
+    ids, order = torch.sort(flat, stable=True)
+    bounds = torch.arange(1, num_experts + 1, device=flat.device, dtype=flat.dtype)
+    return order, torch.searchsorted(ids, bounds).to(torch.int32)
+
+
+def _token_sums(rows, index, dtype):
+    """sum over each token's top_k rows ([tokens * top_k, h], flat order), in `dtype`, the rows added into
+    zeros one at a time in ascending expert order: what transformers' "eager" loop's index_add_ computes."""
+    n, k = index.shape
+    ranked = torch.argsort(index, dim=1, stable=True)
+    rows = rows.view(n, k, -1).to(dtype)
+    out = torch.zeros(n, rows.shape[-1], dtype=dtype, device=rows.device)
+    for j in range(k):
+        out = out + rows.gather(1, ranked[:, j, None, None].expand(n, 1, rows.shape[-1])).squeeze(1)
+    return out
+
+
 class RoutedExperts(torch.autograd.Function):
-    """y[t] = sum over t's top-k experts e of w * down_e(act(gate_e(x_t)) * up_e(x_t)); keeps gate and up."""
+    """y[t] = sum over t's top-k experts e of w * down_e(act(gate_e(x_t)) * up_e(x_t)); keeps gate and up.
+
+    The routed rows run sorted by expert through grouped matmuls whose group ends stay on the device, so
+    neither forward nor backward reads the routing on the host."""
 
     @staticmethod
     def forward(ctx, x, gate_up, down, weights, index, activation, reduce, dtype):
-        n, h = x.shape
         k = index.shape[1]
         inter = down.shape[2]
-        gu = torch.empty(index.numel(), 2 * inter, dtype=dtype, device=x.device)
-        flat_w = weights.reshape(-1)
+        order, ends = _routes(index, gate_up.shape[0])
+        gu = grouped_mm_op(x[order // k].to(dtype), gate_up.to(dtype).transpose(1, 2), ends)
+        p = gated_product_op(gu[:, :inter], gu[:, inter:], activation)
+        out = grouped_mm_op(p, down.to(dtype).transpose(1, 2), ends) * weights.reshape(-1)[order, None]
+        rows = torch.empty_like(out)
+        rows[order] = out
         if reduce == "sum":
-            rows = None
+            y = rows.view(index.shape[0], k, -1).sum(dim=1).to(x.dtype)
         else:
-            y = torch.zeros(n, h, dtype=x.dtype, device=x.device)
-        for e, start, count, pos, tok in _expert_rows(index, gate_up.shape[0]):
-            part = F.linear(x[tok].to(dtype), gate_up[e].to(dtype))
-            gu[start:start + count] = part
-            p = gated_product_op(part[:, :inter], part[:, inter:], activation)
-            out = F.linear(p, down[e].to(dtype)) * flat_w[pos, None]
-            if reduce == "sum":
-                if rows is None:
-                    rows = torch.empty(n * k, h, dtype=out.dtype, device=x.device)
-                rows[pos] = out
-            else:
-                y.index_add_(0, tok, out.to(y.dtype))
-        if reduce == "sum":
-            y = rows.view(n, k, h).sum(dim=1).to(x.dtype)
+            y = _token_sums(rows, index, x.dtype)
         ctx.activation, ctx.dtype = activation, dtype
+        pipeline.tag(gu, "mlp")  # each routed row's gate and up: the MLP's matmul outputs (keeping.policy)
         ctx.save_for_backward(x, gate_up, down, weights, index, gu)
         return y
 
@@ -89,36 +192,34 @@ class RoutedExperts(torch.autograd.Function):
         x, gate_up, down, weights, index, gu = ctx.saved_tensors
         need_x, need_gu, need_down, need_w = ctx.needs_input_grad[:4]
         dtype, act = ctx.dtype, ctx.activation
+        k = index.shape[1]
         inter = down.shape[2]
-        dy = dy.contiguous()
-        flat_w = weights.reshape(-1)
+        order, ends = _routes(index, gate_up.shape[0])
+        tok = order // k
         promoted = torch.promote_types(dtype, weights.dtype)
-        dx = torch.zeros_like(x) if need_x else None
-        dgate_up = torch.zeros_like(gate_up) if need_gu else None
-        ddown = torch.zeros_like(down) if need_down else None
-        dw = torch.zeros(flat_w.shape, dtype=torch.float32, device=x.device) if need_w else None
-        for e, start, count, pos, tok in _expert_rows(index, gate_up.shape[0]):
-            part = gu[start:start + count]
-            gate, up = part[:, :inter].contiguous(), part[:, inter:].contiguous()
-            p = gated_product_op(gate, up, act)
-            w = flat_w[pos, None]
-            g = dy[tok].to(promoted)
-            w_down = down[e].to(dtype)
-            q = (g.to(dtype) @ w_down)  # dy_t @ W_down: what the down output's gradient reaches, unweighted
-            if need_w:
-                dw[pos] = (q.float() * p.float()).sum(dim=-1)
-            if need_down:
-                ddown[e] = ((g * w).to(dtype).t() @ p).to(ddown.dtype)
-            if need_x or need_gu:
-                dgate = (q * w).to(dtype)
-                dup = gated_product_backward_op(dgate, gate, up, act)
-                dpart = torch.cat([dgate, dup], dim=-1)
-                xs = x[tok].to(dtype)
-                if need_gu:
-                    dgate_up[e] = (dpart.t() @ xs).to(dgate_up.dtype)
-                if need_x:
-                    dx.index_add_(0, tok, (dpart @ gate_up[e].to(dtype)).to(dx.dtype))
-        dweights = dw.to(weights.dtype).view(weights.shape) if need_w else None
+        gate, up = gu[:, :inter].contiguous(), gu[:, inter:].contiguous()
+        p = gated_product_rebuild_op(gate, up, act)
+        w = weights.reshape(-1)[order, None]
+        g = dy.contiguous()[tok].to(promoted)
+        q = grouped_mm_op(g.to(dtype), down.to(dtype), ends)  # dy_t @ W_down: the down output's gradient, unweighted
+        dx = dgate_up = ddown = dweights = None
+        if need_w:
+            dw = torch.empty(order.shape, dtype=torch.float32, device=x.device)
+            dw[order] = (q.float() * p.float()).sum(dim=-1)
+            dweights = dw.to(weights.dtype).view(weights.shape)
+        if need_down:
+            ddown = grouped_mm_op((g * w).to(dtype).t(), p, ends).to(down.dtype)
+        if need_x or need_gu:
+            dgate = (q * w).to(dtype)
+            dup = gated_product_backward_op(dgate, gate, up, act)
+            dpart = torch.cat([dgate, dup], dim=-1)
+            if need_gu:
+                dgate_up = grouped_mm_op(dpart.t(), x[tok].to(dtype), ends).to(gate_up.dtype)
+            if need_x:
+                drows = grouped_mm_op(dpart, gate_up.to(dtype), ends)
+                flat = torch.empty_like(drows)
+                flat[order] = drows
+                dx = _token_sums(flat, index, x.dtype)
         return dx, dgate_up, ddown, dweights, None, None, None, None
 
 
@@ -128,7 +229,9 @@ _routing = threading.local()
 @contextlib.contextmanager
 def even_routing():
     """While active, the routed rows are taken as split evenly between the experts, whatever the index says:
-    for a step simulated on fake tensors (selective_ckpt.fit), which hold no index to count."""
+    for a step simulated on fake tensors (selective_ckpt.fit), which hold no index to count. The converted
+    experts read no counts (their routing stays on the device and runs on fake tensors as it is); the flag is
+    for simulated transformers experts (fit.simulate)."""
     previous = getattr(_routing, "even", False)
     _routing.even = True
     try:
@@ -142,31 +245,24 @@ def even_counts(rows, num_experts):
     return [rows // num_experts + (e < rows % num_experts) for e in range(num_experts)]
 
 
-def _expert_rows(index, num_experts):
-    """(expert, first row, row count, flat positions, tokens) for each expert that some token is routed to,
-    in expert order, of a [tokens, top_k] index: rows are the flat positions sorted by expert (stable), so
-    forward and backward walk the same rows in the same order."""
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    start = 0
-    if getattr(_routing, "even", False):
-        counts = even_counts(flat.numel(), num_experts)
-    else:
-        counts = torch.bincount(flat, minlength=num_experts).tolist()
-    for e, count in enumerate(counts):
-        if count:
-            pos = order[start:start + count]
-            yield e, start, count, pos, pos // index.shape[1]
-        start += count
-
-
 def implementation_of(experts):
     impl = getattr(experts.config, "_experts_implementation", None)
     return "eager" if impl is None else impl
 
 
+def _records(module, *inputs):
+    """Whether autograd records this call: grad mode on and an input or a parameter of `module` requiring a
+    gradient. Where it does not, nothing would be kept, and transformers' own forward runs."""
+    return torch.is_grad_enabled() and (any(t.requires_grad for t in inputs) or
+                                        any(p.requires_grad for p in module.parameters()))
+
+
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """The experts' forward for every implementation in IMPLEMENTATIONS, keeping each routed row's gate and up."""
+    """The experts' forward for every implementation in IMPLEMENTATIONS, keeping each routed row's gate and up.
+    Where autograd records nothing (no_grad, inference, nothing requiring a gradient) nothing is kept, and
+    transformers' own experts forward runs, whichever implementation the config names."""
+    if not _records(self, hidden_states, top_k_weights):
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     impl = implementation_of(self)
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"{type(self).__name__}: experts implementation {impl!r} is not supported by selective_ckpt "
@@ -219,7 +315,10 @@ def _scaled(scale, p):
 def shared_expert_block_forward(self, hidden_states):
     """Qwen2MoeSparseMoeBlock: experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x), the sigmoid
     applied to the shared expert's product before its down projection (rebuilt, so only gate, up and the
-    sigmoid's output are kept). A shared expert with hooks of its own is called as a module instead."""
+    sigmoid's output are kept). A shared expert with hooks of its own is called as a module instead. Where
+    autograd records nothing, transformers' own block forward runs."""
+    if not _records(self, hidden_states):
+        return type(self).forward(self, hidden_states)
     batch_size, sequence_length, hidden_dim = hidden_states.shape
     x = hidden_states.view(-1, hidden_dim)
     se = self.shared_expert
@@ -230,7 +329,7 @@ def shared_expert_block_forward(self, hidden_states):
         shared = scale * se(x)
     else:
         p = activate(se.act_fn, se.gate_proj(x), se.up_proj(x))
-        sp = recompute.discardable(_scaled(scale, p), _scaled, scale, recompute.source(p))
+        sp = pipeline.discardable(_scaled(scale, p), _scaled, scale, pipeline.source(p))
         shared = se.down_proj(sp)
     return (routed + shared).reshape(batch_size, sequence_length, hidden_dim)
 
