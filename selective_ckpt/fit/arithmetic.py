@@ -29,9 +29,15 @@ from . import simulate
 from .forms import TrainingForm
 
 VARIANTS = ("transformers", "transformers + gradient checkpointing", "ours none", "ours selective", "ours full",
+            "ours full, inputs offloaded", "ours attention-kept", "ours attention-kept, inputs offloaded",
             "ours plan")
 _SIMULATED = {"transformers": "transformers", "transformers + gradient checkpointing": "checkpointing",
-              "ours none": "none", "ours selective": "selective", "ours full": "full"}
+              "ours none": "none", "ours selective": "selective", "ours full": "full",
+              "ours attention-kept": "attention-kept"}
+# variants whose layers copy their input to host memory (keeping.policy(mode, offload=["input"])), by the
+# simulated mode they otherwise run
+_INPUTS_OFFLOADED = {"ours full, inputs offloaded": "full",
+                     "ours attention-kept, inputs offloaded": "attention-kept"}
 ALLOCATOR_SHARE = 0.05  # the caching allocator's rounding and fragmentation, as a share of the peak
 
 NOT_MODELLED = (
@@ -40,7 +46,7 @@ NOT_MODELLED = (
     "mixture-of-experts routing: the routed rows are split evenly between the experts where the split matters (what "
     "each layer keeps does not depend on it, the busiest expert's transients do); the experts run the "
     "implementation the config names, else grouped_mm (from_pretrained's choice where torch has grouped matmuls)",
-    "data-loader, pinned and host memory; distributed (ZeRO/FSDP) sharding",
+    "data-loader and host memory other than the offloaded layer inputs' copies; distributed (ZeRO/FSDP) sharding",
     "the step is simulated with PyTorch's CPU kernels: attention keeps what CPU SDPA's fused kernel keeps (q, k, "
     "v, output, logsumexp, the mask when there is one), as the GPU's flash and memory-efficient kernels do",
     "QLoRA bases are NF4 with one float32 absmax per 64 weights and bf16 compute (no double quantization)",
@@ -60,6 +66,7 @@ class Variant:
     head_transient: int = 0
     layer_transient: int = 0
     peak: int = 0
+    host: int = 0  # bytes in (pinned) host memory: the offloaded layer inputs of every layer but the last
     phases: dict = dataclasses.field(default_factory=dict)
     modes: list = None
     error: str = None
@@ -215,11 +222,12 @@ class _Model:
 
 
 # the simulated kinds, by the run that simulates them together (one model built per group and layer count)
-_GROUPS = {"transformers": ("transformers", "checkpointing"), "ours": ("none", "selective", "full")}
+_GROUPS = {"transformers": ("transformers", "checkpointing"), "ours": ("none", "selective", "full"),
+           "long": ("attention-kept",)}
 
 
 def _group(kind):
-    return "transformers" if kind in _GROUPS["transformers"] else "ours"
+    return next(g for g, kinds in _GROUPS.items() if kind in kinds)
 
 
 def _line(a, b, x0, x1, x):
@@ -307,7 +315,7 @@ def _quiet():
             log.setLevel(level)
 
 
-def _phases(layered, modes, L):
+def _phases(layered, modes, L, offloaded=0):
     """Bytes held over weights and optimizer state in each phase of an L-layer step whose layer j runs as
     layered[modes[j]] (one kind for every layer, or a per-layer plan).
 
@@ -318,6 +326,12 @@ def _phases(layered, modes, L):
     no gradient of it, and under LoRA with autocast its forward saves less), so the other layers' forward and
     backward are read off the 2-layer step's second layer. Within a run of layers in one mode each phase's
     bytes are linear in the layer's index, so only a run's first and last layer can hold the most.
+
+    `offloaded`: bytes of each layer's keeping that its offload engine copies to host memory (one mode for every
+    layer). A layer's copy starts when the next layer's forward begins and the last layer's never: layer j's
+    forward holds the offloaded bytes of layers j-1 and j-2 (a copy may be in flight), the head and the loss
+    backward those of the last two layers, and layer j's backward those of layer j and the one reloaded ahead of
+    it (prefetch 1), so the others' are taken off.
     """
     def step(m, phase, two_phase=None):
         return layered[m].most(two_phase or phase, two=True) - layered[m].most(phase)
@@ -336,18 +350,18 @@ def _phases(layered, modes, L):
         for j in {max(start, 1), stop - 1}:
             if 1 <= j < stop:
                 backward = max(backward, layered[m].most(("backward", 1), two=True) - kept[m] + below +
-                               (j - start) * kept[m] + (L - 1 - j) * g)
+                               (j - start) * kept[m] + (L - 1 - j) * g - max(0, j - 1) * offloaded)
                 forward = max(forward, layered[m].most(("forward", 1), two=True) - head[m] + ahead +
-                              (j - start) * head[m])
+                              (j - start) * head[m] - max(0, j - 2) * offloaded)
         below += (stop - start) * kept[m]
         ahead += (stop - start) * head[m]
     m_last = modes[-1]
     return {
         "embedding": first.most("embedding"),
         "forward": forward,
-        "head": last.most("head") + ahead - head[m_last],
+        "head": last.most("head") + ahead - head[m_last] - max(0, L - 2) * offloaded,
         "loss backward": last.most("loss backward") + sum((stop - start) * loss[m] for m, start, stop in runs)
-        - loss[m_last],
+        - loss[m_last] - max(0, L - 2) * offloaded,
         "layer backward": backward,
         "optimizer": first.most("optimizer") + (L - 1) * step(modes[0], "optimizer"),
     }
@@ -363,18 +377,20 @@ def _runs(modes):
     return out
 
 
-def _variant(name, layered, modes, L):
+def _variant(name, layered, modes, L, offloaded=0):
     runs = _runs(modes)
     kinds = {m: layered[m] for m, _, _ in runs}
     v = Variant(name, modes=list(modes) if name == "ours plan" else None)
     base = kinds[modes[0]]
-    v.phases = _phases(kinds, modes, L)
+    v.phases = _phases(kinds, modes, L, offloaded)
+    v.host = max(0, L - 1) * offloaded
     # the first layer may keep less than the others (its input is no activation): what one step keeps at the
     # forward's end is L layers' and the rest, the rest being at least 0
     forward_end = base.one.forward_end - base.kept + sum((stop - start) * kinds[m].kept for m, start, stop in runs)
     v.kept_outside = max(0, base.one.forward_end - base.kept)
     v.kept_per_layer = (forward_end - v.kept_outside) // L
-    v.head_transient = max(v.phases["head"], v.phases["loss backward"]) - forward_end
+    on_device = forward_end - max(0, L - 2) * offloaded  # the inputs copied out by the forward's end
+    v.head_transient = max(v.phases["head"], v.phases["loss backward"]) - on_device
     v.layer_transient = max(k.transient(("backward", 0)) for k in kinds.values())
     v.peak = base._line("weights")(L) + base._line("state")(L) + max(v.phases.values())
     return v
@@ -394,11 +410,20 @@ def _variants(proj, seq_len, gpu_bytes=None, names=VARIANTS):
         if name.startswith("ours") and proj.model.ours_error():
             out[name] = Variant(name, error=proj.model.ours_error())
             continue
-        kind = _SIMULATED[name]
-        out[name] = _variant(name, {kind: proj.layered(kind, seq_len)}, [kind] * L, L)
+        kind = _SIMULATED.get(name) or _INPUTS_OFFLOADED[name]
+        offloaded = _input_bytes(proj, seq_len) if name in _INPUTS_OFFLOADED else 0
+        out[name] = _variant(name, {kind: proj.layered(kind, seq_len)}, [kind] * L, L, offloaded)
     if "ours plan" in names and gpu_bytes is not None:
         out["ours plan"] = _plan_variant(proj, seq_len, gpu_bytes)
     return out
+
+
+def _input_bytes(proj, seq_len):
+    """Bytes of one layer's input, the residual stream in the weights' dtype (float32 under autocast and QLoRA)."""
+    import torch
+
+    size = torch.empty((), dtype=proj.model.form.weights).element_size()
+    return proj.batch * seq_len * proj.model.config.hidden_size * size
 
 
 def _plan_variant(proj, seq_len, gpu_bytes):

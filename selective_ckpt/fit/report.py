@@ -12,7 +12,7 @@ NAME = 38  # the longest variant name, "transformers + gradient checkpointing", 
 # (heading line 1, heading line 2, width) of the columns, and what each means
 MEMORY_COLUMNS = (("kept per", "layer", 11), ("kept outside", "layers", 14), ("loss head", "transient", 12),
                   ("layer backward", "transient", 16))
-PEAK_COLUMNS = (("allocator", "share", 11), ("", "peak", 12))
+PEAK_COLUMNS = (("allocator", "share", 11), ("", "peak", 12), ("host", "memory", 10))
 LEGEND = (
     "kept per layer: the activations one decoder layer keeps for backward",
     "kept outside layers: the activations kept outside the decoder layers (embeddings, the first layer's input)",
@@ -25,6 +25,11 @@ LEGEND = (
     "\"selective\"); its longest context is the longest any such plan fits",
     "transformers + gradient checkpointing: transformers' activation checkpointing (Trainer's "
     "activation_checkpointing=True, gradient_checkpointing=True on older transformers)",
+    "ours attention-kept: each layer keeps its input and attention's output and logsumexp and rebuilds the rest "
+    "in backward, never attention itself (keeping.policy(\"attention-kept\"))",
+    "inputs offloaded: each layer's input is copied to pinned host memory while the next layer computes and back "
+    "before its backward (keeping.policy(mode, offload=[\"input\"])); host memory: those copies, every layer's "
+    "but the last",
 )
 
 
@@ -83,8 +88,9 @@ def _table(r, rows, columns, peak):
             continue
         share = int(v.peak * ALLOCATOR_SHARE)
         cells = {"kept per": v.kept_per_layer, "kept outside": v.kept_outside, "loss head": v.head_transient,
-                 "layer backward": v.layer_transient, "allocator": share, "": v.peak + share}
-        line = f"  {name:<{NAME}}" + "".join(f"{format_bytes(cells[a]):>{w}}" for a, _, w in columns)
+                 "layer backward": v.layer_transient, "allocator": share, "": v.peak + share, "host": v.host}
+        line = f"  {name:<{NAME}}" + "".join(
+            f"{'-' if a == 'host' and not cells[a] else format_bytes(cells[a]):>{w}}" for a, _, w in columns)
         if peak:
             line += f"  {'yes ' if r.fits(name) else 'no  '}  {r.max_context.get(name, '-')}"
         lines.append(line)
