@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import fused, rng, rotary
 from .activations import ACTIVATIONS, GATED_LAYER_ACTIVATIONS
-from .keeping import pipeline
+from .keeping import pipeline, tiling
 from .keeping.attention_kept import attention_kept_checkpoint
 from .keeping.policy import CHECKPOINTED, LayerPolicy, resolve
 from .ops.attention import attention_fwd_op
@@ -262,9 +262,21 @@ class SelectiveDecoderLayer(nn.Module):
             a = dropout_op(a, p, seeds[1])
         x1 = pipeline.tag(x + a, "residual")
         mlp = (self.gate_proj, self.up_proj, self.down_proj) if self.gated else (self.fc1, self.fc2)
-        m = fused.norm_mlp(x1, self.ln2.weight, self._norm_bias(self.ln2), [t for f in mlp for t in (f.weight, f.bias)],
-                           eps=self.ln2.eps, mlp="gated" if self.gated else "plain", activation=self.kernel_activation,
-                           dropout_p=p, seed=seeds[2], **norm)
+        params = [t for f in mlp for t in (f.weight, f.bias)]
+        kind = "gated" if self.gated else "plain"
+        tiles = self._policy.mlp_tiles  # read again by "full"'s re-run in backward, which runs _block itself
+        if tiles == 1:
+            m = fused.norm_mlp(x1, self.ln2.weight, self._norm_bias(self.ln2), params, eps=self.ln2.eps, mlp=kind,
+                               activation=self.kernel_activation, dropout_p=p, seed=seeds[2], **norm)
+            return x1 + m
+
+        def norm_mlp(rows):  # the norm is per token, so tiling x1's rows is exact
+            return fused.norm_mlp(rows, self.ln2.weight, self._norm_bias(self.ln2), params, eps=self.ln2.eps, mlp=kind,
+                                  activation=self.kernel_activation, **norm)
+
+        m = tiling.run_in_tiles(norm_mlp, x1, tiles)
+        if p > 0:  # on the whole output: the mask of the untiled layer (the stream indexes rows of [B*S, h])
+            m = dropout_op(m, p, seeds[2])
         return x1 + m
 
 

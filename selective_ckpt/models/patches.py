@@ -6,12 +6,14 @@ input(s)) and hands its output to `keeping.discardable`, so whatever consumes th
 Linear, a LoRA layer, a quantized Linear) keeps a placeholder instead, rebuilt once in backward.
 """
 
+import functools
+
 import torch
 
 from .. import rng
 from ..activations import GELU_APPROXIMATE, has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
-from ..keeping import pipeline
+from ..keeping import pipeline, tiling
 from ..ops.dropout import dropout_op
 from ..ops.gelu import gelu_backward_op, gelu_op
 from ..ops.layer_norm import layer_norm_apply, layer_norm_fwd
@@ -196,11 +198,31 @@ def activate(act_fn, h, up=None):
 
 # --- The gated MLP (Llama-shaped models): act(gate) * up, keeping gate and up.
 
+# The tile count of a converted layer's MLP (keeping.tiling): set on the MLP module by its layer's policy
+# (models/common.py), read here at every call, so the layer's re-run in backward, which transformers' checkpoint
+# makes without our layer wrapper, tiles as the forward did. A plain attribute: not in the state dict.
+MLP_TILES = "_selective_ckpt_mlp_tiles"
+
+
+def mlp_tiles(module):
+    """The number of sequence tiles `module` (a converted MLP) runs in: 1 unless its layer's policy says more."""
+    return getattr(module, MLP_TILES, 1)
+
+
+def _swiglu(self, x):
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(activate(self.act_fn, gate, up))
+
+
 def swiglu_mlp_forward(self, x):
     """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(act_fn(gate(x)) * up(x)), projections as modules."""
     pipeline.tag(x, "residual", if_untagged=True)  # x1 where no norm precedes the MLP (post-norm layers)
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    return self.down_proj(activate(self.act_fn, gate, up))
+    return tiling.run_in_tiles(functools.partial(_swiglu, self), x, mlp_tiles(self))
+
+
+def _packed_gate_up(self, x):
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(activate(self.activation_fn, gate, up))
 
 
 def packed_gate_up_mlp_forward(self, x):
@@ -208,8 +230,7 @@ def packed_gate_up_mlp_forward(self, x):
     the product act(gate) * up (transformers' up * act(gate), the same bits) is rebuilt from them, so
     the packed output is all the MLP keeps before down_proj."""
     pipeline.tag(x, "residual", if_untagged=True)
-    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-    return self.down_proj(activate(self.activation_fn, gate, up))
+    return tiling.run_in_tiles(functools.partial(_packed_gate_up, self), x, mlp_tiles(self))
 
 
 # --- Dropout by seed: 8 bytes kept instead of a mask.
@@ -242,7 +263,22 @@ def gelu_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="
     default; dropout None for none), its activation applied by `activate`."""
     def forward(self, hidden_states):
         pipeline.tag(hidden_states, "residual", if_untagged=True)
-        h = getattr(self, fc_in)(hidden_states)
-        out = getattr(self, fc_out)(activate(getattr(self, act), h))
+
+        def mlp(rows):
+            return getattr(self, fc_out)(activate(getattr(self, act), getattr(self, fc_in)(rows)))
+
+        out = tiling.run_in_tiles(mlp, hidden_states, mlp_tiles(self))
+        # dropout on the whole output, outside the tiles: one seed and the untiled mask whatever the tile count
         return out if dropout is None else getattr(self, dropout)(out)
     return forward
+
+
+# The code of each MLP forward that tiles (a factory's closures share their code, also once unpickled).
+_TILED_CODES = frozenset(f.__code__ for f in (swiglu_mlp_forward, packed_gate_up_mlp_forward,
+                                              gelu_mlp_forward_factory()))
+
+
+def runs_in_tiles(forward):
+    """Whether `forward`, an MLP's patched forward (a function or its BoundForward), runs in the sequence tiles its
+    module's MLP_TILES asks for."""
+    return getattr(getattr(forward, "__func__", forward), "__code__", None) in _TILED_CODES
