@@ -314,6 +314,10 @@ def set_recompute(model, mode_or_list, every=None, *, engine=None, prefetch=1, h
     else:
         raise TypeError(f"mode_or_list must be a mode string, a LayerPolicy or a list of them, got "
                         f"{type(mode_or_list).__name__}")
+    for layer, p in zip(layers, policies):  # every refusal before any layer changes
+        check = getattr(layer, "_mlp_running_in", None)
+        if check is not None:
+            check(p.mlp_tiles)
     if any(p.offloaded for p in policies):
         engine = _shared_engine(layers, engine, prefetch, host_bytes, strict)
     elif engine is not None:

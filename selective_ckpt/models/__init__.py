@@ -19,6 +19,7 @@ from ..layers import SelectiveDecoderLayer, set_recompute
 from ..registry import recomputable_layers, state_of
 from . import checkpointing, eager, hf
 from .common import ConversionError
+from .patches import runs_in_tiles
 from .peft import plan_adapters
 
 __all__ = ["ConversionError", "convert", "model_specs"]
@@ -66,11 +67,28 @@ def convert(model, recompute="selective"):
                                   f"{_supported()}")
         layers, patches = hf.plan(root, spec, model_type)
         patches = patches + plan_adapters(model)
+        _check_tiles(layers, patches, spec, layer_policy)
         checkpointed = checkpointing.checkpointed(layers)  # what the user enabled stays enabled: "full"
         hf.apply(root, layers, patches, layer_policy, spec)
         checkpointing.keep_checkpointed(checkpointed)
         return _with_engine(model, layer_policy)
     return _with_engine(_convert_eager(model, layer_policy), layer_policy)
+
+
+def _check_tiles(layers, patches, spec, layer_policy):
+    """A policy that runs the MLP in tiles needs every layer's MLP forward to tile: else the error, before any
+    change."""
+    if layer_policy.mlp_tiles == 1:
+        return
+    child = hf.mlp_child(spec)
+    planned = {id(module): forward for module, forward in patches}
+    for layer in layers:
+        mlp = getattr(layer, child)
+        if not runs_in_tiles(planned.get(id(mlp))):
+            kind = "a mixture of experts" if hasattr(mlp, "experts") else "an MLP whose forward does not run in tiles"
+            raise ConversionError(f"{type(layer).__name__}.{child} ({type(mlp).__name__}) is {kind}: recompute="
+                                  f"{str(layer_policy)!r} cannot run it in {layer_policy.mlp_tiles} tiles; use "
+                                  "mlp_tiles=1 for this model")
 
 
 def _with_engine(model, layer_policy):

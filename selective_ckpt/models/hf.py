@@ -239,6 +239,11 @@ def _child_of_role(spec, role):
     return next(c for c, r in spec.children if r == role)
 
 
+def mlp_child(spec):
+    """The name of a decoder layer's MLP child under `spec`."""
+    return _child_of_role(spec, "mlp")
+
+
 def config_shape(layer, config, spec):
     """LayerShape fields of a decoder layer from the model's config: hidden_size, num_attention_heads,
     num_key_value_heads, intermediate_size (or GPT-2's n_inner, 4 h by default), the attention's

@@ -384,8 +384,14 @@ def test_mixtures_of_experts_and_untiled_forwards_are_refused():
         set_recompute(moe, keeping.policy("full", mlp_tiles=2))
     assert all(layer._selective_ckpt.policy == "selective" for layer in _decoder_layers(moe))  # nothing changed
     set_recompute(moe, keeping.policy("full", mlp_tiles=1))
+    plain = by_name("mixtral").build()().train()
     with pytest.raises(ValueError, match="mixture of experts"):
-        convert(by_name("mixtral").build()().train(), recompute=keeping.policy("attention-kept", mlp_tiles=4))
+        convert(plain, recompute=keeping.policy("attention-kept", mlp_tiles=4))
+    assert not any(hasattr(m, "_selective_ckpt") for m in plain.modules())  # refused before anything changed
+    mixed = [keeping.policy("full", mlp_tiles=1), keeping.policy("full", mlp_tiles=2)]
+    with pytest.raises(ValueError, match="mixture of experts"):
+        set_recompute(moe, mixed)
+    assert all(layer._selective_ckpt.policy == "full" for layer in _decoder_layers(moe))  # no layer changed
     starcoder2 = convert(by_name("starcoder2").build()().train())
     with pytest.raises(ValueError, match=r"Starcoder2MLP\) has a forward that does not run in tiles"):
         set_recompute(starcoder2, keeping.policy("attention-kept", mlp_tiles=2))
