@@ -1,8 +1,9 @@
 """Run by tests/test_distributed.py under torchrun (2 processes, gloo, CPU).
 
-For recompute "selective" and "full", a stack of SelectiveDecoderLayers with dropout on, and a
-tiny Hugging Face Llama converted by selective_ckpt.convert (attention dropout on), are trained one
-step under DDP and under FSDP2 (fully_shard per decoder layer). Every rank also computes, in one
+For recompute "selective" and "full", and the same with what they keep offloaded (every kept class under
+"selective", the layer inputs under "full"), a stack of SelectiveDecoderLayers with dropout on, and a tiny
+Hugging Face Llama converted by selective_ckpt.convert (attention dropout on), are trained one step under DDP
+and under FSDP2 (fully_shard per decoder layer). Every rank also computes, in one
 process, the gradients averaged over both ranks' shards with the same per-rank seeds; the wrapped
 model's gradients must equal them.
 """
@@ -16,16 +17,22 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from selective_ckpt import SelectiveDecoderLayer, convert
+from selective_ckpt import SelectiveDecoderLayer, convert, keeping, set_recompute
 
 E, H, S, PER_RANK = 32, 2, 6, 2
 VOCAB = 53
 
 
+MODES = {"selective": "selective", "full": "full",
+         "selective offloaded": keeping.policy("selective", offload=["input", "qkv", "attention", "residual", "mlp"]),
+         "full offloaded": keeping.policy("full", offload=["input"])}
+
+
 def build(mode):
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[SelectiveDecoderLayer(E, H, dropout=0.15, attn_dropout=0.15, recompute=mode)
-                                 for _ in range(2)])
+    model = torch.nn.Sequential(*[SelectiveDecoderLayer(E, H, dropout=0.15, attn_dropout=0.15) for _ in range(2)])
+    set_recompute(model, MODES[mode])  # one offload engine for the stack when the policy offloads
+    return model
 
 
 def build_llama(mode):
@@ -35,7 +42,7 @@ def build_llama(mode):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=E, intermediate_size=56, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                          attention_dropout=0.15)
-    return convert(LlamaForCausalLM(config).train(), recompute=mode)
+    return convert(LlamaForCausalLM(config).train(), recompute=MODES[mode])
 
 
 def llama_step(model, ids, dy, rank):
@@ -85,7 +92,7 @@ def main():
     dys = torch.randn(world, PER_RANK, S, E, generator=g)
     ids = torch.randint(0, VOCAB, (world, PER_RANK, S), generator=g)
     dlogits = torch.randn(world, PER_RANK, S, VOCAB, generator=g)
-    for mode in ("selective", "full"):
+    for mode in MODES:
         check_wrapped(mode, functools.partial(build, mode), list, step, xs, dys, rank, world)
         check_wrapped(f"llama/{mode}", functools.partial(build_llama, mode), lambda m: m.model.layers, llama_step, ids,
                       dlogits, rank, world)

@@ -1,5 +1,5 @@
 """DDP and FSDP2 over SelectiveDecoderLayers and a converted Hugging Face Llama (2 processes on gloo) give
-single-process gradients."""
+single-process gradients, also with what the layers keep offloaded."""
 
 import os
 import socket
@@ -44,4 +44,5 @@ def test_ddp_and_fsdp2_match_one_process():
             pytest.fail(f"the workers could not import the package: {out[-3000:]}")
         pytest.skip(f"torchrun could not start two gloo workers (rc {proc.returncode}): {out[-600:]}")
     assert proc.returncode == 0, out[-3000:]
-    assert "ok selective" in out and "ok full" in out, out[-2000:]  # each: our layers and the converted Llama
+    for mode in ("selective", "full", "selective offloaded", "full offloaded"):  # our layers, the converted Llama
+        assert f"ok {mode}" in out, out[-2000:]

@@ -224,3 +224,25 @@ def test_converted_ledger_splits_device_and_host_as_the_estimate(tmp_path):
         for cls in ("input", "mlp"):
             assert measured[cls] == split[cls], (name, cls, report.table())
         assert sum(v["host"] for v in measured.values()) == sum(v["host"] for v in split.values())
+
+
+def test_packed_documents_with_offload_equal_keeping():
+    """Documents packed into one row by position_ids (DataCollatorWithFlattening's form) under an offload policy."""
+    from tests.models.families import by_name
+
+    torch.manual_seed(0)
+    model = convert(by_name("llama").build(num_hidden_layers=3)().train())
+    ids = torch.randint(0, 90, (1, 22), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(9), torch.arange(5), torch.arange(8)])[None]
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, position_ids=positions, labels=ids).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
+
+    set_recompute(model, "selective")
+    expected = step()
+    set_recompute(model, keeping.policy("selective", offload=["input", "qkv", "attention", "residual", "mlp"]),
+                  engine=OffloadEngine(streams=SimulatedStreams(delay=2)))
+    _assert_identical(step(), expected)
