@@ -12,7 +12,7 @@ import torch
 
 from selective_ckpt import convert
 from selective_ckpt.models import attention as hf_attention
-from tests.models import test_gpt2, test_hf_llama, test_hf_mistral, test_hf_qwen2
+from tests.models import test_gpt2, test_hf_llama
 from tests.models.families import by_name
 from tests.models.hf_checks import VOCAB, batch
 from tests.reference import assert_within_rule
@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = {
     "gpt2": test_gpt2.build,
     "llama": test_hf_llama.build,
-    "mistral": test_hf_mistral.build,  # sliding window 5, shorter than the sequences below
-    "qwen2": lambda: test_hf_qwen2.build(use_sliding_window=True, sliding_window=6, max_window_layers=1,
+    "mistral": by_name("mistral").build,  # sliding window 5, shorter than the sequences below
+    "qwen2": lambda: by_name("qwen2").build(use_sliding_window=True, sliding_window=6, max_window_layers=1,
                                          layer_types=["full_attention", "sliding_attention"]),
     "qwen3": by_name("qwen3").build,
 }

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from selective_ckpt import convert, set_recompute
-from tests.models import hf_checks, test_gpt2, test_hf_llama, test_hf_mistral, test_hf_qwen2
+from tests.models import hf_checks, test_gpt2, test_hf_llama
 from tests.models.families import by_name
 from tests.models.hf_checks import batch, kept_bytes_per_layer
 
@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 BUILDS = {
     "gpt2": lambda n: test_gpt2.build(n_layer=n)(),
     "llama": lambda n: test_hf_llama.build(num_hidden_layers=n)(),
-    "mistral": lambda n: test_hf_mistral.build(num_hidden_layers=n)(),
-    "qwen2": lambda n: test_hf_qwen2.build(num_hidden_layers=n)(),
+    "mistral": lambda n: by_name("mistral").build(num_hidden_layers=n)(),
+    "qwen2": lambda n: by_name("qwen2").build(num_hidden_layers=n)(),
     "qwen3": lambda n: by_name("qwen3").build(num_hidden_layers=n)(),
 }
 

@@ -11,7 +11,7 @@ import torch
 from selective_ckpt import convert
 from selective_ckpt.models.patches import PATCHED
 from selective_ckpt.models.pickling import BoundForward
-from tests.models import hf_checks, test_gpt2, test_hf_llama, test_hf_mistral, test_hf_qwen2
+from tests.models import hf_checks, test_gpt2, test_hf_llama
 from tests.models.families import by_name
 from tests.models.hf_checks import batch, kept_bytes_per_layer
 from tests.models.test_parity_attention import KernelCalls
@@ -21,8 +21,8 @@ transformers = pytest.importorskip("transformers")
 BUILDS = {  # GPT-2 with every dropout site on: the seeded dropout patch must survive too
     "gpt2": lambda n: test_gpt2.build(n_layer=n, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)(),
     "llama": lambda n: test_hf_llama.build(num_hidden_layers=n)(),
-    "mistral": lambda n: test_hf_mistral.build(num_hidden_layers=n)(),
-    "qwen2": lambda n: test_hf_qwen2.build(num_hidden_layers=n)(),
+    "mistral": lambda n: by_name("mistral").build(num_hidden_layers=n)(),
+    "qwen2": lambda n: by_name("qwen2").build(num_hidden_layers=n)(),
     "qwen3": lambda n: by_name("qwen3").build(num_hidden_layers=n)(),
 }
 

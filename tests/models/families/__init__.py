@@ -18,6 +18,15 @@ class Family:
     lora_targets: tuple = ("q_proj", "v_proj", "down_proj")
     packed: bool = True  # documents packed by position_ids stay apart (the family's attention allows it)
     heads: tuple = ()  # other model classes of the family whose layers convert (sequence/token classification)
+    # a sliding window (in tokens) the tiny config sets in every layer, shorter than the test sequence: with one
+    # layer, the first token reaches no position `window` or more behind it (test_window_is_applied)
+    window: int = 0
+    # config keyword arguments that switch the family's dropouts on: "none", "selective", "full" and
+    # gradient_checkpointing_enable give the same bits with them (test_modes_bit_identical_with_dropout)
+    dropout: dict | None = None
+    # (name, config keyword arguments): other forms of the family's layers, each within the rule against
+    # float64 with padded rows (test_variant_within_the_rule)
+    variants: tuple = ()
 
     def build(self, **kw):
         """A zero-argument builder of the causal LM with the tiny config updated by `kw`."""
