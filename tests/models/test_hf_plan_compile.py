@@ -50,7 +50,8 @@ def test_plan_and_set_recompute_on_a_converted_model(build):
     every = plan(model, b, s, 1e12)
     assert list(every) == ["none"] * 4
     tight = plan(model, b, s, every.kept_bytes * 0.6)
-    assert "full" in tight and tight.kept_bytes <= every.kept_bytes * 0.6
+    # a layer rebuilt under a checkpoint ("attention-kept" costs less than "full": attention is not run again)
+    assert {"full", "attention-kept"} & set(tight) and tight.kept_bytes <= every.kept_bytes * 0.6
     assert set_recompute(model, tight) == list(tight)
     layers = [m for m in model.modules() if hasattr(m, "_selective_ckpt")]
     assert [m._selective_ckpt.recompute for m in layers] == list(tight)
