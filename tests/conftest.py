@@ -40,19 +40,65 @@ TIERS = {
     "convergence": dict(names=r"converg|unconverted_loss|loss_curve|trains"),
 }
 
-# slow: the three tiers above, and every other test measured over ~3 s on 2 cores. Globs over
-# "<file relative to tests/>::<test name with its parameters>".
+# slow: the three tiers above, and every other test over ~2 s on an idle 2-core machine (about 3 s under the usual
+# load; `--durations=0` measures them). Globs over "<file relative to tests/>::<test name>"; a name without its
+# [parameters] takes in every instance.
 SLOW = (
-    # from a --durations run of the whole suite on 2 cores: the files and tests that held most of its time
-    "fit/test_fit.py::test_predicted_peak_within_5_percent*", "fit/test_fit_longest.py::*",
-    "fit/test_fit_policies.py::*", "models/test_hf_families.py::*", "models/test_quantized_bases.py::*",
-    "models/test_training_configs.py::*", "models/test_hf_moe.py::*", "models/test_moe_sync.py::*",
-    "models/test_parity_*.py::*", "models/test_example_finetune.py::*", "models/test_loss_head.py::*",
-    "models/test_hf_plan_compile.py::*", "models/test_hf_parallel_families.py::*", "models/test_hf_gemma.py::*",
-    "keeping/test_layer_offload.py::test_converted*", "ops/test_attention_triton.py::*",
-    "ops/test_attention_kernel_cpp.py::*", "ops/test_attention_softcap.py::*", "ops/test_attention.py::*",
-    "ops/test_cross_entropy.py::*", "test_bench.py::*", "test_bench_hf.py::*", "test_edges.py::*",
+    # fit: simulated steps of bundled configs, the command line, the longest context searches
+    "fit/test_fit.py::test_bad_input_names_the_field",
+    "fit/test_fit.py::test_bundled_configs_load_and_project",
+    "fit/test_fit.py::test_command_line_prints_every_part",
+    "fit/test_fit.py::test_every_bundled_config_simulates",
+    "fit/test_fit.py::test_fit_check_measures_a_real_step_and_prints_the_prediction_beside_it",
+    "fit/test_fit.py::test_longest_context_fits_and_a_longer_one_does_not",
+    "fit/test_fit_cli.py::test_no_third_party_noise_on_stderr",
+    "fit/test_fit_longest.py::*",
+    "fit/test_fit_policies.py::*",
+    "fit/test_bench_plot_marks.py::test_time_plots_carry_the_note",
+    # keeping: whole converted models tiled or offloaded, against untiled ones
+    "keeping/test_layer_offload.py::test_forwards_without_backward_leave_nothing",
+    "keeping/test_offload_engine.py::test_forward_without_backward_leaves_nothing",
+    "keeping/test_tiling.py::test_converted_tiled_matches_untiled",
+    "keeping/test_tiling.py::test_gpt2_mlp_dropout_stays_the_untiled_mask",
+    "keeping/test_tiling.py::test_lora_dropout_in_tiles_is_exact_and_a_redraw_is_caught",
+    "keeping/test_tiling.py::test_qlora_tiled",
+    "keeping/test_tiling.py::test_selective_layer_tiled_matches_untiled",
+    "keeping/test_tiling.py::test_tiles_lower_the_peak_by_their_share_of_the_intermediate",
+    # models
+    "models/test_example_finetune.py::*",
+    "models/test_hf_activations.py::test_forward_hook_on_the_activation_is_called",
+    "models/test_hf_gemma.py::test_final_logit_soft_capping_through_the_loss_head",
+    "models/test_hf_llama.py::test_layer_keeps_the_floor",
+    "models/test_loss_head_softcap.py::test_capped_loss_bfloat16_within_the_rule",
+    "models/test_masked_rows.py::test_unpadded_batches_keep_the_floor_and_padded_ones_one_more_output",
+    "models/test_parity_checkpointing.py::test_checkpointed_layers_keep_what_checkpointing_keeps",
+    "models/test_parity_pickle.py::test_fresh_process_loads_and_runs_converted_models",
+    "models/test_parity_pickle.py::test_loaded_model_keeps_the_floor",
+    "models/test_quantized_bases.py::test_int8_kept_bytes_on_other_families",
+    "models/test_training_configs.py::test_ledger_sees_what_the_model_keeps",
+    "models/test_training_configs.py::test_loss_and_gradients_follow_transformers",
+    # ops: the Triton interpreter on the sm_90 tile shapes and the soft-capped kernels
+    "ops/test_attention.py::test_identical_calls_are_bit_identical_and_seed_none_follows_manual_seed",
+    "ops/test_attention_softcap.py::test_triton_softcap_against_float64",
+    "ops/test_attention_softcap.py::test_triton_softcap_with_the_sm90_tiles",
+    "ops/test_attention_triton.py::test_sm90_tile_table_against_float64",
+    # the benchmarks run as subprocesses, two-process training, whole layers on both backends
+    "test_bench.py::test_attention_table_prints_every_grid_row",
+    "test_bench.py::test_gpu_script_syntax_and_dry_run",
+    "test_bench.py::test_offload_bench_runs_each_policy_on_cpu",
+    "test_bench.py::test_quick_run_prints_the_table_and_writes_csv",
+    "test_bench_hf.py::*",
+    "test_distributed.py::*",
+    "test_edges.py::test_dropout_double_backward_is_right",
+    "test_layer_llama.py::test_gqa_layer_both_backends_and_modes",
+    "test_layer_llama.py::test_recompute_modes_are_bit_identical",
 )
+
+# sweeps over the whole family table (tests/models/families) times a second axis: the fast run keeps the instances
+# whose `family` parameter is FAST_FAMILY, the others are slow. (The shared family checks of
+# models/test_hf_families.py are cheap per family and run for every family in the fast run.)
+SWEEPS = ("fit/test_fit.py::test_predicted_peak_within_5_percent",)
+FAST_FAMILY = "llama"
 
 SLOW_SECONDS = 3.0
 
@@ -79,7 +125,9 @@ def _runs(function, text):
     """`text` is in the test function's source, or in a function of its module that the test calls."""
     source = _source(function)
     module = inspect.getmodule(function)
-    key = (getattr(module, "__name__", None), text)
+    if module is None:
+        return text in source
+    key = (module.__name__, text)
     if key not in _helpers:
         _helpers[key] = [name for name, f in vars(module).items() if inspect.isfunction(f) and
                          f.__module__ == module.__name__ and not name.startswith("test") and text in _source(f)]
@@ -93,9 +141,16 @@ def _tier_markers(item):
     tiers = [tier for tier, rule in TIERS.items() if _matches(rule, relpath, name, function)]
     if "wheel" in item.keywords and "build" not in tiers:
         tiers.append("build")
-    if tiers or any(fnmatch.fnmatch(f"{relpath}::{item.name}", pattern) for pattern in SLOW):
+    names = (f"{relpath}::{name}", f"{relpath}::{item.name}")
+    if tiers or any(fnmatch.fnmatch(n, pattern) for n in names for pattern in SLOW) or _swept(item, names[0]):
         tiers.append("slow")
     return tiers
+
+
+def _swept(item, name):
+    """An instance of a sweep over the family table for a family other than FAST_FAMILY."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return name in SWEEPS and "family" in params and str(params["family"]) != FAST_FAMILY
 
 
 def pytest_configure(config):
@@ -115,8 +170,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(tier)
 
 
-# a test outside the slow tier that took longer than SLOW_SECONDS is named at the end of the run: the place to
-# list it is SLOW above
+# a test outside the slow tier whose call took longer than SLOW_SECONDS is named at the end of the run: a test
+# for SLOW above
 _over = []
 
 
