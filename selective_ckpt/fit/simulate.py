@@ -46,11 +46,13 @@ class Step:
 
 class _Held(TorchDispatchMode):
     """Bytes of the op outputs alive at once, per phase: storages in `known` (parameters, buffers, optimizer
-    state, the batch) are left out; a storage counts from the op that makes it until it is freed."""
+    state, the batch) are left out; a storage counts from the op that makes it until it is freed. `recorder`:
+    shown each counted storage as it is made (`alloc(func, t, nbytes, phase, key)`) and freed (`free(key,
+    phase)`)."""
 
-    def __init__(self, known):
+    def __init__(self, known, recorder=None):
         super().__init__()
-        self.known, self.live, self.current = known, {}, 0
+        self.known, self.live, self.current, self.recorder = known, {}, 0, recorder
         self.phase, self.phases, self.backward = "embedding", {"embedding": [0, 0]}, False
 
     def mark(self, phase):
@@ -59,6 +61,8 @@ class _Held(TorchDispatchMode):
 
     def _free(self, key):
         self.current -= self.live.pop(key, 0)
+        if self.recorder is not None:
+            self.recorder.free(key, self.phase)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -74,6 +78,8 @@ class _Held(TorchDispatchMode):
             entry = self.phases[self.phase]
             entry[1] = max(entry[1], self.current)
             weakref.finalize(st, self._free, key)
+            if self.recorder is not None:
+                self.recorder.alloc(func, t, st.nbytes(), self.phase, key)
         return out
 
 
@@ -328,10 +334,11 @@ def _storages(tensors):
     return seen
 
 
-def run_step(model, batch, seq_len, autocast=None):
+def run_step(model, batch, seq_len, autocast=None, recorder=None):
     """Simulates one steady-state step of `model` (on fake tensors) on a [batch, seq_len] batch with labels, the
     optimizer state made by a step on zero gradients first; returns its Step. `autocast`: the dtype of
-    torch.autocast("cpu") around forward and loss, or None."""
+    torch.autocast("cpu") around forward and loss, or None. `recorder`: shown every counted storage (_Held), its
+    `watch(model)` (a context manager) entered around the step (fit/growth.py's)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
     ids = torch.zeros((batch, seq_len), dtype=torch.long)
@@ -346,13 +353,14 @@ def run_step(model, batch, seq_len, autocast=None):
     opt.zero_grad(set_to_none=True)
     weights = _storages([*model.parameters(), *model.buffers()])
     state = _storages(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-    held = _Held(set(weights) | set(state) | set(_storages([ids])))
+    held = _Held(set(weights) | set(state) | set(_storages([ids])), recorder)
     # What reference cycles hold is held until a collection: none runs inside the step, as in CPU tests. No
     # collection before it either: garbage of earlier steps is not freed inside it with collections off, and a
     # full collection of a process that imported transformers costs ~0.3 s, a quarter of the CLI's time.
     gc.disable()
     try:
-        with held, _markers(model, held):
+        with held, _markers(model, held), \
+                recorder.watch(model) if recorder is not None else contextlib.nullcontext():
             loss = forward()
             held.mark("loss backward")
             forward_end = held.current
