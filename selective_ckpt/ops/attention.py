@@ -17,6 +17,7 @@ from .. import backend, rng
 from ..double_backward import first_order_only
 from ..keeping import pipeline
 from ..validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool
+from .eager import fast_eager
 
 
 def _output(q):
@@ -96,6 +97,8 @@ def _backward(ctx, do, _dlse):
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+fast_eager(attention_fwd_op)
+fast_eager(attention_bwd_op)
 
 
 def _check_qkv(q, k, v):

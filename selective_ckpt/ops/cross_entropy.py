@@ -25,6 +25,7 @@ from ..double_backward import first_order_only
 from ..storages import is_fake
 from ..validation import check_choice, check_floating, check_linear, check_positive_int
 from .layer_norm import stat_dtype
+from .eager import fast_eager
 
 __all__ = ["check_labels", "chunk_rows", "cross_entropy_rows_op", "linear_cross_entropy", "logits_cross_entropy",
            "check_cross_entropy_args"]
@@ -67,6 +68,9 @@ def cross_entropy_rows_op(logits: torch.Tensor, labels: torch.Tensor, scale: tor
 def _(logits, labels, scale, ignore_index, label_smoothing, softcap, write_grad):
     stat = stat_dtype(logits.dtype)
     return logits.new_empty(logits.shape[0], dtype=stat), logits.new_empty(logits.shape[0], dtype=stat)
+
+
+fast_eager(cross_entropy_rows_op)
 
 
 def _check_rows_operands(logits, labels, scale):

@@ -8,6 +8,7 @@ import torch
 
 from .. import backend, rng
 from ..validation import check_floating
+from .eager import fast_eager
 
 
 def rows_cols(t: torch.Tensor):
@@ -43,6 +44,7 @@ def _backward(ctx, grad):
 
 
 dropout_op.register_autograd(_backward, setup_context=_setup_context)
+fast_eager(dropout_op)
 
 
 def dropout(x: torch.Tensor, p: float, seed=None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from ..double_backward import first_order_only
 from ..keeping import pipeline
 from ..validation import check_choice, check_linear, check_operands
 from .dropout import dropout_op
+from .eager import fast_eager
 
 __all__ = ["gelu_mlp", "mlp_forward", "mlp_backward", "check_mlp_args"]
 
@@ -81,6 +82,10 @@ def gelu_backward_op(grad: torch.Tensor, h: torch.Tensor, approximate: str) -> N
 @gelu_backward_op.register_fake
 def _(grad, h, approximate):
     return None
+
+
+for _op in (gelu_op, gelu_rebuild_op, gelu_backward_op):
+    fast_eager(_op)
 
 
 def check_mlp_args(x, w1, b1, w2, b2):

@@ -12,6 +12,7 @@ import torch
 from .. import backend
 from ..double_backward import first_order_only
 from ..validation import check_norm_args
+from .eager import fast_eager
 
 
 def stat_dtype(dtype):
@@ -117,6 +118,8 @@ def _backward(ctx, gy, gmean, grstd):
 
 
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+for _op in (layer_norm_fwd, layer_norm_apply, layer_norm_bwd):
+    fast_eager(_op)
 
 
 def layer_norm(x, weight, bias=None, eps=1e-5):

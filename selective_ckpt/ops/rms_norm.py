@@ -14,6 +14,7 @@ from .. import backend
 from ..double_backward import first_order_only
 from ..validation import check_norm_args
 from .layer_norm import stat_dtype
+from .eager import fast_eager
 
 
 def _rows(x):
@@ -104,6 +105,8 @@ def _backward(ctx, gy, grstd):
 
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+for _op in (rms_norm_fwd, rms_norm_apply, rms_norm_bwd):
+    fast_eager(_op)
 
 
 def check_rms_norm_args(x, weight, eps, offset):

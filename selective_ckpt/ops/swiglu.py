@@ -22,6 +22,7 @@ from ..double_backward import first_order_only
 from ..keeping import pipeline
 from ..validation import check_choice, check_floating, check_linear, check_operands
 from .dropout import dropout_op
+from .eager import fast_eager
 
 __all__ = ["gated_mlp_forward", "gated_mlp_backward", "gated_product", "swiglu_mlp", "check_gated_mlp_args"]
 
@@ -93,6 +94,10 @@ def gated_product_backward_op(grad: torch.Tensor, gate: torch.Tensor, up: torch.
 @gated_product_backward_op.register_fake
 def _(grad, gate, up, activation):
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+for _op in (gated_product_op, gated_product_rebuild_op, gated_product_backward_op):
+    fast_eager(_op)
 
 
 def _tag_kept(gate, up, product=None):
