@@ -2,9 +2,9 @@
 
 The fit (simulate.py) runs one step on fake tensors; here the same step runs at two long contexts with every
 storage it makes recorded: the op, shape, dtype and bytes, the phase that made it and the one that freed it, the
-module running (in backward: the autograd node) and the innermost frame of transformers, PEFT or selective_ckpt
-that called the op, and the class a layer's keeping pipeline named when it kept the storage for backward
-(keeping.pipeline.observe, as memory.ledger sees it). Each storage is one of:
+module running (in backward: the autograd node), the innermost frame outside torch that called the op (in
+transformers, PEFT, selective_ckpt or the user's code), and the class a layer's keeping pipeline named when it
+kept the storage for backward (keeping.pipeline.observe, as memory.ledger sees it). Each storage is one of:
 
 - "kept": the policy's own, named bytes: a layer's pipeline kept it for backward in a class (keeping.policy);
 - "transient": freed before the step turns from forward to backward, or made in backward: the working set of
@@ -43,6 +43,7 @@ CONTEXTS = (131072, 524288)
 _LINEAR_EXPONENT = 1.25  # bytes growing faster than context ** this between the two contexts are superlinear
 _OWN = re.compile(r"[\\/](site-packages[\\/])?(transformers|peft|selective_ckpt)[\\/]")
 _HERE = os.path.abspath(__file__)
+_SKIPPED = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
 
 
 @dataclasses.dataclass
@@ -50,8 +51,8 @@ class Allocation:
     """One storage the step made: `op` (the aten op), `shape`, `dtype`, `nbytes`, `phase` (simulate's phase
     that made it: "embedding", ("forward", i), "head", "loss backward", ("backward", i), "optimizer"),
     `freed` (the phase that freed it, None while alive), `module` (the innermost module running, layer
-    indices as "*", or the autograd node in backward), `where` (file:function:line of the innermost frame of
-    transformers, PEFT or selective_ckpt), `layer` (the decoder layer running, or None), `kept` (the class a
+    indices as "*", or the autograd node in backward), `where` (file:function:line of the innermost frame outside
+    torch and the standard library), `layer` (the decoder layer running, or None), `kept` (the class a
     layer's pipeline kept it as, or None), `saved_in_layer` / `saved_outside` (kept for backward by autograd,
     outside any pipeline, while a decoder layer ran / while none did), `born` and `died` (the order storages
     were made and freed in)."""
@@ -184,13 +185,16 @@ def _short(name):
 
 
 def _where():
-    """file:function:line of the innermost frame of transformers, PEFT or selective_ckpt (this file aside)."""
+    """file:function:line of the innermost frame outside torch, the standard library and this file (transformers',
+    PEFT's, selective_ckpt's or the user's code that called the op)."""
     f = sys._getframe(2)
     while f is not None:
         path = f.f_code.co_filename
-        m = _OWN.search(path)
-        if m and os.path.abspath(path) != _HERE and f.f_code.co_name not in ("__torch_dispatch__", "run_step"):
-            return f"{path[m.start(2):].replace(os.sep, '/')}:{f.f_code.co_name}:{f.f_lineno}"
+        if not (path.startswith(_SKIPPED) or path.startswith("<") or os.path.abspath(path) == _HERE or
+                f.f_code.co_name in ("__torch_dispatch__", "run_step")):
+            m = _OWN.search(path)
+            short = path[m.start(2):] if m else os.path.join(*path.split(os.sep)[-2:])
+            return f"{short.replace(os.sep, '/')}:{f.f_code.co_name}:{f.f_lineno}"
         f = f.f_back
     return "-"
 
