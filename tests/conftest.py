@@ -54,6 +54,7 @@ SLOW = (
     "fit/test_fit_cli.py::test_no_third_party_noise_on_stderr",
     "fit/test_fit_longest.py::*",
     "fit/test_fit_policies.py::*",
+    "fit/test_growth.py::test_long_contexts_grow_only_by_the_policy",
     "fit/test_bench_plot_marks.py::test_time_plots_carry_the_note",
     # keeping: whole converted models tiled or offloaded, against untiled ones
     "keeping/test_layer_offload.py::test_forwards_without_backward_leave_nothing",
