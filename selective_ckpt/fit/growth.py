@@ -44,6 +44,8 @@ _LINEAR_EXPONENT = 1.25  # bytes growing faster than context ** this between the
 _OWN = re.compile(r"[\\/](site-packages[\\/])?(transformers|peft|selective_ckpt)[\\/]")
 _HERE = os.path.abspath(__file__)
 _SKIPPED = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
+_PLUMBING = tuple(os.path.join(os.path.dirname(os.path.dirname(_HERE)), *p) for p in (("ops", "eager.py"),
+                                                                                      ("backend.py",)))
 
 
 @dataclasses.dataclass
@@ -185,13 +187,13 @@ def _short(name):
 
 
 def _where():
-    """file:function:line of the innermost frame outside torch, the standard library and this file (transformers',
-    PEFT's, selective_ckpt's or the user's code that called the op)."""
+    """file:function:line of the innermost frame outside torch, the standard library, this file and the custom
+    ops' call plumbing (transformers', PEFT's, selective_ckpt's or the user's code that called the op)."""
     f = sys._getframe(2)
     while f is not None:
         path = f.f_code.co_filename
-        if not (path.startswith(_SKIPPED) or path.startswith("<") or os.path.abspath(path) == _HERE or
-                f.f_code.co_name in ("__torch_dispatch__", "run_step")):
+        if not (path.startswith(_SKIPPED) or path.startswith("<") or os.path.abspath(path) in (_HERE, *_PLUMBING)
+                or f.f_code.co_name in ("__torch_dispatch__", "run_step")):
             m = _OWN.search(path)
             short = path[m.start(2):] if m else os.path.join(*path.split(os.sep)[-2:])
             return f"{short.replace(os.sep, '/')}:{f.f_code.co_name}:{f.f_lineno}"
