@@ -4,8 +4,8 @@ A recomputable layer is a module carrying the attribute `STATE` (`"_selective_ck
 with a settable `recompute` mode ("none", "selective", "full") and `shape()`, the layer's
 LayerShape fields (memory.planner) with its parameters' dtype. A SelectiveDecoderLayer is its own
 state (`recomputable` below); a converted Hugging Face decoder layer holds a
-models.common.ConvertedLayerState. `recomputable_layers(model)` lists them in module order: set_recompute,
-the memory planner and the benchmark all walk a model through it.
+models.converted_layer.ConvertedLayerState. `recomputable_layers(model)` lists them in module order:
+set_recompute, the memory planner and the benchmark all walk a model through it.
 
 `register_layer_type(cls)` adds a decoder-layer class to `layer_types()`, the layers the memory
 ledger attributes saved tensors to by default. Layer modules register themselves when defined, so

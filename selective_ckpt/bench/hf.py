@@ -38,7 +38,7 @@ import torch
 
 from .. import memory
 from ..models import convert
-from ..models.hf import converted_layers
+from ..registry import recomputable_layers
 from .output import run_dir
 from .runner import _spread
 
@@ -188,14 +188,13 @@ def training_kept_bytes_per_layer(config, row, cfg, ids):
 def training_floor_bytes(model, config, batch, seq):
     """layer_estimate of the converted model's first decoder layer in its training configuration."""
     from ..models.configuration import layer_estimate
-    from ..registry import recomputable_layers
 
     return layer_estimate(recomputable_layers(model)[0], seq, batch, TRAINING[config][1])
 
 
 def floor_bytes(model, batch, seq):
     """memory.estimate("selective") of the converted model's first decoder layer."""
-    fields = converted_layers(model)[0]._selective_ckpt.shape()
+    fields = recomputable_layers(model)[0]._selective_ckpt.shape()
     return memory.estimate(fields.pop("hidden_dim"), fields.pop("num_heads"), seq, batch, fields.pop("dtype"),
                            fields.pop("mlp_ratio"), "selective", **fields)
 

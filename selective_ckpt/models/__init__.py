@@ -17,8 +17,8 @@ from torch import nn
 from ..keeping.policy import resolve
 from ..layers import SelectiveDecoderLayer, set_recompute
 from ..registry import recomputable_layers, state_of
-from . import checkpointing, eager, hf
-from .common import ConversionError
+from . import eager, hf
+from .errors import ConversionError
 from .patches import runs_in_tiles
 from .peft import plan_adapters
 
@@ -52,7 +52,7 @@ def convert(model, recompute="selective"):
     (`recompute`; see set_recompute). EagerDecoderLayer-shaped modules are replaced by
     SelectiveDecoderLayers (the returned model is the new layer when `model` itself is one).
     Raises ConversionError naming the module, the model type and what is supported, before any change.
-    Layers under transformers' gradient checkpointing before convert stay "full" (models/checkpointing.py).
+    Layers under transformers' gradient checkpointing before convert stay "full" (models/converted_layer.py).
     `recompute` is a mode or a keeping.LayerPolicy (what a layer keeps, offloads and rebuilds).
     """
     layer_policy = resolve(recompute, "recompute")
@@ -68,9 +68,7 @@ def convert(model, recompute="selective"):
         layers, patches = hf.plan(root, spec, model_type)
         patches = patches + plan_adapters(model)
         _check_tiles(layers, patches, spec, layer_policy)
-        checkpointed = checkpointing.checkpointed(layers)  # what the user enabled stays enabled: "full"
         hf.apply(root, layers, patches, layer_policy, spec)
-        checkpointing.keep_checkpointed(checkpointed)
         return _with_engine(model, layer_policy)
     return _with_engine(_convert_eager(model, layer_policy), layer_policy)
 

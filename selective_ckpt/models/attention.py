@@ -35,7 +35,7 @@ import torch
 from .. import rng
 from ..ops.attention import attention
 from ..storages import is_fake, storage_bytes, storage_id
-from .common import ConversionError
+from .errors import ConversionError
 
 NAME = "selective_ckpt"
 

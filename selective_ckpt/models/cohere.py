@@ -6,7 +6,7 @@ the scale into the hidden states it reads).
 Per-head q/k norms (use_qk_norm: a LayerNorm over [heads, head_dim] with a weight per head) are refused.
 """
 
-from .common import ConversionError
+from .errors import ConversionError
 from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, residual_shape
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..layers import SelectiveDecoderLayer
 from ..registry import register_layer_type
-from .common import ConversionError, copy_param, factory
+from .errors import ConversionError
 
 
 @register_layer_type
@@ -44,6 +44,18 @@ class EagerDecoderLayer(nn.Module):
         a, _ = self.attn(h, h, h, attn_mask=causal, key_padding_mask=padding)
         x = x + self.dropout(a)
         return x + self.mlp(self.ln2(x))
+
+
+def _factory(module):
+    """device and dtype of a module's parameters, for building its replacement."""
+    p = next(module.parameters())
+    return {"device": p.device, "dtype": p.dtype}
+
+
+@torch.no_grad()
+def _copy_param(dst, src):
+    dst.copy_(src)
+    dst.requires_grad_(src.requires_grad)
 
 
 def matches(module):
@@ -84,7 +96,7 @@ def convert_block(module, name, recompute):
     layer = SelectiveDecoderLayer(hidden, heads, mlp_ratio=inner / hidden, dropout=float(resid),
                                   attn_dropout=float(attn.dropout), causal=bool(getattr(module, "causal", True)),
                                   activation="gelu_tanh" if mlp[1].approximate == "tanh" else "gelu",
-                                  norm_eps=module.ln1.eps, bias=bias, recompute=recompute, **factory(module))
+                                  norm_eps=module.ln1.eps, bias=bias, recompute=recompute, **_factory(module))
     pairs = [(layer.ln1.weight, module.ln1.weight), (layer.ln2.weight, module.ln2.weight),
              (layer.qkv.weight, attn.in_proj_weight), (layer.proj.weight, attn.out_proj.weight),
              (layer.fc1.weight, mlp[0].weight), (layer.fc2.weight, mlp[2].weight)]
@@ -93,5 +105,5 @@ def convert_block(module, name, recompute):
                   (layer.qkv.bias, attn.in_proj_bias), (layer.proj.bias, attn.out_proj.bias),
                   (layer.fc1.bias, mlp[0].bias), (layer.fc2.bias, mlp[2].bias)]
     for dst, src in pairs:
-        copy_param(dst, src)
+        _copy_param(dst, src)
     return layer

@@ -9,7 +9,7 @@ token fewer than memory.estimate counts for a per-head q/k-normed layer. Those c
 (`_check`) until the estimate has that form; a model with every layer sliding, or without a window, converts.
 """
 
-from .common import ConversionError
+from .errors import ConversionError
 from .hf import config_shape, llama_shaped
 
 

@@ -6,7 +6,7 @@ layers alternating (each attention module's own sliding_window). Attention-logit
 the final-logit soft-capping in the fused loss head; bidirectional attention is refused before anything
 changes (`check_gemma`)."""
 
-from .common import ConversionError
+from .errors import ConversionError
 from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, config_shape
 
 

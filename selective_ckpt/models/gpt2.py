@@ -9,7 +9,7 @@ dropouts keep a seed instead of a mask. attn_pdrop goes to the attention kernel 
 
 from torch import nn
 
-from .common import ConversionError
+from .errors import ConversionError
 from .hf import MLPSpec, ModelSpec, NormSpec, config_shape
 
 

@@ -16,20 +16,20 @@ import functools
 from torch import nn
 
 from ..activations import elementwise_problem, kernel_activation
-from ..registry import recomputable_layers
 from ..validation import NORMS
 from . import attention, hub_kernels, loss_head
-from .common import ConversionError, announce_modes, convert_decoder_layer
+from .converted_layer import announce_modes, convert_decoder_layer
+from .errors import ConversionError
 from .patches import (
     dropout_forward,
     gelu_mlp_forward_factory,
     layer_norm_forward,
     own_forward_norm,
     packed_gate_up_mlp_forward,
-    patch_forward,
     rms_norm_forward,
     swiglu_mlp_forward,
 )
+from .patching import patch_forward
 
 ROLES = ("norm", "attention", "mlp", "dropout")  # "dropout": an nn.Dropout child of the layer (Phi-3's residual ones)
 # separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc); one gate_up_proj whose output
@@ -290,9 +290,9 @@ def llama_shaped(model_type, prefix, **overrides):
 
 
 def apply(root, layers, patches, mode, spec):
-    """Registers attention, patches the forwards and gives each decoder layer its recompute mode and
-    its shape reader (its LayerShape fields for the memory planner), and installs the fused
-    loss head on a causal LM (models/loss_head.py)."""
+    """Registers attention, patches the forwards and gives each decoder layer its recompute mode ("full" for a
+    layer under transformers' checkpointing already) and its shape reader (its LayerShape fields for the memory
+    planner), and installs the fused loss head on a causal LM (models/loss_head.py)."""
     attention.register(root)  # records the attention the model ran before, which fully masked rows follow
     root.config._attn_implementation = attention.NAME
     for module, forward in patches:
@@ -306,11 +306,5 @@ def apply(root, layers, patches, mode, spec):
     loss_head.install(root)
 
 
-def converted_layers(model):
-    """The recomputable layers of `model` (registry.recomputable_layers), which convert() gives every
-    converted Hugging Face decoder layer."""
-    return recomputable_layers(model)
-
-
 __all__ = ["ConversionError", "MLPSpec", "ModelSpec", "NormSpec", "apply", "config_shape",
-           "converted_layers", "hf_root", "llama_shaped", "plan", "residual_shape"]
+           "hf_root", "llama_shaped", "plan", "residual_shape"]

@@ -6,11 +6,12 @@ every step, and `model.eval()`): `kernels.kernelize` sets or drops the instance 
 whose class carries a hub-kernel name (RMSNorm among them). That dropped the norms' patched forwards
 of a converted model at its first `train()`, silently: its norms kept their outputs again. Here each
 PreTrainedModel of a converted model runs its kernelization and then puts the patched forwards back
-(patches.restore_patches); a layer checks its own at every training call, for a `kernelize` called
-directly (models/peft.py, check_layer).
+(converted_layer.make_patches_current); a layer checks its own at every training call, for a `kernelize`
+called directly (converted_layer.ConvertedLayerState.make_current).
 """
 
-from .patches import restore_patches
+from .converted_layer import make_patches_current
+from .patching import BoundForward
 
 _WRAPPED = ("set_use_kernels", "reset_kernels")
 
@@ -20,7 +21,7 @@ def set_use_kernels(self, use_kernels, *args, **kwargs):
     try:
         return type(self).set_use_kernels(self, use_kernels, *args, **kwargs)
     finally:
-        restore_patches(self)
+        make_patches_current(self)
 
 
 def reset_kernels(self):
@@ -28,15 +29,13 @@ def reset_kernels(self):
     try:
         return type(self).reset_kernels(self)
     finally:
-        restore_patches(self)
+        make_patches_current(self)
 
 
 def keep_patches(root):
     """Makes every transformers PreTrainedModel under `root` that can kernelize itself restore the patched
     forwards after it does (instance attributes, which pickle with the model)."""
     from transformers import PreTrainedModel
-
-    from .pickling import BoundForward
 
     for module in root.modules():
         if not isinstance(module, PreTrainedModel):

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops.cross_entropy import check_labels, chunk_rows, linear_cross_entropy, logits_cross_entropy
 from ..storages import is_fake
-from .patches import PATCHED, patch_forward
+from .patching import PATCHED, patch_forward
 
 HEAD_CLASS_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 

@@ -45,7 +45,7 @@ from ..keeping import pipeline
 from ..memory.estimate import MoE
 from ..ops.swiglu import gated_product_backward_op, gated_product_op, gated_product_rebuild_op
 from ..storages import PLAIN_TENSOR_TYPES
-from .common import ConversionError
+from .errors import ConversionError
 from .patches import activate
 
 # experts implementation -> (how a token's rows are summed, the matmuls' dtype rule)

@@ -1,7 +1,7 @@
-"""In-place forward patches for Hugging Face norms, MLP activations and dropouts.
+"""The replacement forwards for Hugging Face norms, MLP activations and dropouts.
 
-Modules, parameters and names stay; only `forward` of the instance is replaced. Each patched
-forward keeps what its own backward needs (a norm: its input and statistics; an activation: its
+Modules, parameters and names stay; only `forward` of the instance is replaced (models/patching.py).
+Each patched forward keeps what its own backward needs (a norm: its input and statistics; an activation: its
 input(s)) and hands its output to `keeping.discardable`, so whatever consumes the output (a
 Linear, a LoRA layer, a quantized Linear) keeps a placeholder instead, rebuilt once in backward.
 """
@@ -19,32 +19,7 @@ from ..ops.gelu import gelu_backward_op, gelu_op
 from ..ops.layer_norm import layer_norm_apply, layer_norm_fwd
 from ..ops.rms_norm import rms_norm_apply, rms_norm_fwd
 from ..ops.swiglu import gated_product, gated_product_op
-
-PATCHED = "_selective_ckpt_forward"  # attribute marking a patched module (holds the original forward)
-PATCH = "_selective_ckpt_patch"  # the patched forward itself, so that it can be put back (models/hub_kernels.py)
-
-
-def patch_forward(module, forward):
-    """Replaces module.forward by `forward` bound to module (a BoundForward, which pickles); the original is
-    kept under PATCHED."""
-    from .pickling import BoundForward
-
-    if getattr(module, PATCHED, None) is None:
-        setattr(module, PATCHED, module.forward)
-    module.forward = BoundForward(forward, module)
-    module.__dict__[PATCH] = module.forward
-
-
-def restore_patches(root):
-    """Puts back the patched forward of every module under `root` whose forward was replaced since it was
-    patched (transformers' hub-kernel kernelization replaces or drops instance forwards); returns their names."""
-    restored = []
-    for name, module in root.named_modules():
-        patch = module.__dict__.get(PATCH)
-        if patch is not None and module.__dict__.get("forward") is not patch:
-            module.forward = patch
-            restored.append(name or type(module).__name__)
-    return restored
+from .patching import PATCHED
 
 
 def norm_input(x, kept):
@@ -199,8 +174,8 @@ def activate(act_fn, h, up=None):
 # --- The gated MLP (Llama-shaped models): act(gate) * up, keeping gate and up.
 
 # The tile count of a converted layer's MLP (keeping.tiling): set on the MLP module by its layer's policy
-# (models/common.py), read here at every call, so the layer's re-run in backward, which transformers' checkpoint
-# makes without our layer wrapper, tiles as the forward did. A plain attribute: not in the state dict.
+# (models/converted_layer.py), read here at every call, so the layer's re-run in backward, which transformers'
+# checkpoint makes without our layer wrapper, tiles as the forward did. A plain attribute: not in the state dict.
 MLP_TILES = "_selective_ckpt_mlp_tiles"
 
 

@@ -1,4 +1,4 @@
-"""PEFT adapters inside converted decoder layers: LoRA dropout by seed, refusals and warnings.
+"""PEFT adapters inside converted decoder layers: LoRA dropout by seed, refusals, modules not known.
 
 PEFT's LoRA computes `lora_B(lora_A(dropout(x)))`; the dropout output is a new tensor that lora_A
 saves for its weight gradient (a full copy of the input per adapted projection). Its nn.Dropout
@@ -7,23 +7,22 @@ contract): the dropped input is rebuilt in backward from the rebuilt input and a
 PEFT's own forward is left alone, so `set_adapter`, `disable_adapter()`, several adapters,
 `use_rslora`, merging and `merge_and_unload` keep PEFT's semantics; eval mode applies no dropout.
 
-Adapters may be added before or after convert: each converted layer checks its adapters when
-the set of its modules changes (`check_layer`). bitsandbytes' 8-bit Linear trains on CPU through
-MatMul8bitFp, which holds its input as a plain attribute of the autograd context (outside
-save_for_backward, so no saved-tensor hook sees it) and reads it only for the weight gradient; for
-a frozen int8 weight that reference is dropped after forward (`int8_linear_forward`).
+Adapters may be added, removed or swapped before or after convert: each converted layer checks its
+adapters when its modules change (models/converted_layer.py, `ConvertedLayerState.make_current`).
+bitsandbytes' 8-bit Linear trains on CPU through MatMul8bitFp, which holds its input as a plain
+attribute of the autograd context (outside save_for_backward, so no saved-tensor hook sees it) and
+reads it only for the weight gradient; for a frozen int8 weight that reference is dropped after
+forward (`int8_linear_forward`).
 
 DoRA (`use_dora=True`) rebuilds the adapted weight's norm from the base weight, which
 selective_ckpt does not rebuild: it is refused by name.
 """
 
-import warnings
-
 import torch
 from torch import nn
 
-from .common import ConversionError
-from .patches import PATCH, PATCHED, dropout_forward, patch_forward, restore_patches
+from .errors import ConversionError
+from .patches import dropout_forward
 
 # Module classes a converted layer may hold whose saved tensors the layer pipeline handles: the
 # families' own blocks are checked by their plans; these are the consumers found inside them.
@@ -94,28 +93,3 @@ def unknown_modules(layer):
         if type(p).__name__ not in KNOWN_PARAMETERS:
             out.append(f"{name} (a {type(p).__module__}.{type(p).__name__} weight)")
     return out
-
-
-def check_layer(layer, layer_name, state):
-    """Puts back patched forwards something replaced (`kernels.kernelize` called on the model after convert),
-    patches LoRA dropouts added since the last check and warns once about unknown modules."""
-    signature = sum(1 for _ in layer.modules())
-    changed = state.checked != signature
-    if changed or any(vars(m).get("forward") is not patch for m, patch in state.patches):
-        restored = restore_patches(layer)
-        if restored:
-            warnings.warn(f"selective_ckpt: {layer_name}: the forwards of {', '.join(restored)} were replaced after "
-                          "convert (hub kernels' kernelize?); the converted forwards are put back", stacklevel=3)
-    if not changed:
-        return
-    for module, forward in plan_adapters(layer, layer_name):
-        if getattr(module, PATCHED, None) is None:
-            patch_forward(module, forward)
-    state.patches = [(m, vars(m)[PATCH]) for m in layer.modules() if PATCH in vars(m)]
-    unknown = unknown_modules(layer)
-    if unknown and not state.warned:
-        warnings.warn(f"selective_ckpt: {layer_name} holds modules it does not know: {', '.join(unknown)}; what "
-                      "they save for backward is kept as they save it (their inputs may not be rebuilt)",
-                      stacklevel=3)
-        state.warned = True
-    state.checked = signature

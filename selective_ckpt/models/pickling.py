@@ -1,74 +1,18 @@
-"""Patched forwards that pickle: a converted model survives torch.save / torch.load and copy.deepcopy.
+"""Patched forwards that pickle: how a patch's function is named in a pickle.
 
-A patched module holds its new forward per instance. As a bound method (types.MethodType) it would
-pickle as `getattr(module, function name)`, which the module's class does not have, so loading
-failed. `BoundForward` is a bound method that pickles as (function, module): a module-level
+A patched forward (models/patching.py, `BoundForward`) pickles as (function, module): a module-level
 function by its qualified name, a function made by a factory in this package (GPT-2's MLP forward
-closes over its GELU approximation) by the factory's code and the closure's values. Loading a
-converted Hugging Face model registers the "selective_ckpt" attention again, so a fresh process
+closes over its child names) by the factory's code and the closure's values. Loading a converted Hugging
+Face model registers the "selective_ckpt" attention again (models/converted_layer.py), so a fresh process
 runs the loaded model with the same kernels and keeps the same floor.
 """
 
-import copy
 import importlib
-import inspect
 import pickle
-import sys
 import types
 
 
-class BoundForward:
-    """`function` bound to `module` as its forward; behaves as the bound method and pickles."""
-
-    __slots__ = ("function", "module")
-
-    def __init__(self, function, module):
-        self.function, self.module = function, module
-
-    def __call__(self, *args, **kwargs):
-        return self.function(self.module, *args, **kwargs)
-
-    @property
-    def __func__(self):
-        return self.function
-
-    @property
-    def __self__(self):
-        return self.module
-
-    @property
-    def __name__(self):
-        return self.function.__name__
-
-    @property
-    def __signature__(self):
-        # A pass-through patch (self, *args, **kwargs) takes what the original forward takes: tools that
-        # read the signature (Trainer keeps only the dataset columns forward names) see the original's.
-        sig = inspect.signature(types.MethodType(self.function, self.module))
-        kinds = [p.kind for p in sig.parameters.values()]
-        original = getattr(self.module, "_selective_ckpt_forward", None)
-        if kinds == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD] and original is not None:
-            return inspect.signature(original)
-        return sig
-
-    def __repr__(self):
-        return f"<patched forward {self.function.__qualname__} of {type(self.module).__name__}>"
-
-    def __deepcopy__(self, memo):
-        return BoundForward(self.function, copy.deepcopy(self.module, memo))
-
-    def __reduce__(self):
-        return _rebind, (_function_reference(self.function), self.module)
-
-
-def _rebind(function, module):
-    if "transformers" in sys.modules:  # a Hugging Face model: its config names our attention function
-        from . import attention
-        attention.register()
-    return BoundForward(function, module)
-
-
-def _function_reference(function):
+def function_reference(function):
     """`function` itself when pickle finds it by name, else a picklable recipe for a factory-made closure."""
     if isinstance(function, types.FunctionType) and "<locals>" in function.__qualname__:
         outer, _, rest = function.__qualname__.partition(".<locals>.")

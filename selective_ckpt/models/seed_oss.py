@@ -8,7 +8,8 @@ runs with its rate at 0 for the call, and the same dropout is applied by seed to
 """
 
 from .hf import GATE_UP_CHILDREN, MLPSpec, llama_shaped, modules_of
-from .patches import PATCHED, dropout_by_seed, swiglu_mlp_forward
+from .patches import dropout_by_seed, swiglu_mlp_forward
+from .patching import PATCHED
 
 
 def _mlp_forward(self, x):

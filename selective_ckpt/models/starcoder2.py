@@ -14,7 +14,8 @@ import inspect
 from torch import nn
 
 from .hf import MLPSpec, ModelSpec, NormSpec, modules_of, residual_shape
-from .patches import PATCHED, activate, dropout_by_seed
+from .patches import activate, dropout_by_seed
+from .patching import PATCHED
 
 
 def _mlp_forward(self, hidden_states):

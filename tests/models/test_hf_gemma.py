@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from selective_ckpt import ConversionError, convert
-from selective_ckpt.models.patches import PATCHED
+from selective_ckpt.models.patching import PATCHED
 from selective_ckpt.registry import recomputable_layers, state_of
 from tests.models.families.gemma import FAMILIES
 from tests.models.hf_checks import assert_matches_reference, batch, triple

@@ -30,7 +30,8 @@ def test_rms_norm_with_weight_in_another_dtype_computes_as_transformers():
     """bf16 input, fp32 weight: transformers promotes to fp32; the patched norm gives the same bits."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from selective_ckpt.models.patches import patch_forward, rms_norm_forward
+    from selective_ckpt.models.patches import rms_norm_forward
+    from selective_ckpt.models.patching import patch_forward
 
     norm = LlamaRMSNorm(24)
     torch.nn.init.normal_(norm.weight)
@@ -48,7 +49,7 @@ def test_rms_norm_offset_of_a_spec_computes_as_gemma_norm(dtype):
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
     from selective_ckpt.models import hf
-    from selective_ckpt.models.patches import patch_forward
+    from selective_ckpt.models.patching import patch_forward
     from tests.reference import assert_within_rule
 
     torch.manual_seed(0)

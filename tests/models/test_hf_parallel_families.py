@@ -11,7 +11,7 @@ from torch import nn
 from selective_ckpt import ConversionError, convert
 from selective_ckpt.memory import estimate
 from selective_ckpt.models.configuration import layer_estimate
-from selective_ckpt.models.patches import PATCHED
+from selective_ckpt.models.patching import PATCHED
 from selective_ckpt.registry import recomputable_layers
 from tests.models.families.parallel_and_layernorm import FAMILIES
 from tests.models.hf_checks import (

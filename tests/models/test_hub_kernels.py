@@ -16,7 +16,7 @@ import torch
 
 from selective_ckpt import convert
 from selective_ckpt.models.configuration import layer_estimate
-from selective_ckpt.models.patches import PATCH
+from selective_ckpt.models.patching import PATCH
 from selective_ckpt.registry import recomputable_layers
 from tests.models.families import by_name
 from tests.models.hf_checks import batch, kept_bytes_per_layer

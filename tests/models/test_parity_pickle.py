@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from selective_ckpt import convert
-from selective_ckpt.models.patches import PATCHED
-from selective_ckpt.models.pickling import BoundForward
+from selective_ckpt.models.patching import PATCHED, BoundForward
 from tests.models import hf_checks, test_gpt2, test_hf_llama
 from tests.models.families import by_name
 from tests.models.hf_checks import batch, kept_bytes_per_layer
@@ -122,7 +121,7 @@ def test_foreign_closure_forwards_are_refused_by_name():
         return x
 
     layer = torch.nn.Linear(2, 2)
-    from selective_ckpt.models.patches import patch_forward
+    from selective_ckpt.models.patching import patch_forward
     patch_forward(layer, local_forward)
     with pytest.raises(pickle.PicklingError, match="local_forward cannot be pickled"):
         pickle.dumps(layer)

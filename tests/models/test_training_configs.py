@@ -289,7 +289,8 @@ def test_unknown_module_is_named_in_a_warning(tmp_path):
 def test_fp32_norm_weight_on_16bit_input_runs_the_kernel_in_transformers_dtype():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from selective_ckpt.models.patches import patch_forward, rms_norm_forward
+    from selective_ckpt.models.patches import rms_norm_forward
+    from selective_ckpt.models.patching import patch_forward
 
     torch.manual_seed(0)
     norm = LlamaRMSNorm(H, eps=1e-6)

@@ -1,8 +1,18 @@
-"""What every model integration shares: the refusal type, parameter copying, per-layer recompute modes."""
+"""The converted Hugging Face decoder layer's runtime: its policy, its forward, its patches kept current.
+
+`convert_decoder_layer` gives a transformers decoder layer a ConvertedLayerState (what set_recompute
+sets) and wraps its forward in its pipeline (keeping.pipeline); a layer under transformers' checkpointing
+stays "full". Making a converted model's patches current after convert happens here only: a layer at
+every training call (`ConvertedLayerState.make_current`: an adapter added, removed or swapped since, a
+forward replaced), and so a loaded or copied layer at its first call (whose loading registers our
+attention again); transformers' kernelization through `make_patches_current` (models/hub_kernels.py).
+"""
 
 import contextlib
 import functools
 import logging
+import warnings
+import weakref
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -11,25 +21,11 @@ from ..keeping import pipeline
 from ..keeping.attention_kept import attention_kept_checkpoint
 from ..keeping.policy import CHECKPOINTED, NAMED, resolve
 from ..registry import STATE
-from .patches import MLP_TILES, PATCH, PATCHED, patch_forward, runs_in_tiles
-
-
-class ConversionError(ValueError):
-    """A module that convert() cannot change without changing what it computes."""
-
-
-def factory(module):
-    """device and dtype of a module's parameters, for building its replacement."""
-    p = next(module.parameters())
-    return {"device": p.device, "dtype": p.dtype}
-
-
-@torch.no_grad()
-def copy_param(dst, src, transpose=False):
-    dst.copy_(src.t() if transpose else src)
-    dst.requires_grad_(src.requires_grad)
-
-
+from . import attention
+from .errors import ConversionError
+from .patches import MLP_TILES, runs_in_tiles
+from .patching import PATCH, PATCHED, patch_forward, replaced, restore_patches
+from .peft import plan_adapters, unknown_modules
 
 
 class ConvertedLayerState:
@@ -49,9 +45,8 @@ class ConvertedLayerState:
         self.mlp_child = mlp  # the name of the layer's MLP child, which runs in the policy's mlp_tiles tiles
         self.recompute = mode
         self._shape_of = shape_of
-        self.checked = None  # module count when the adapters were last checked (models/peft.py)
-        self.patches = []  # (module, its patched forward) in the layer as last checked
-        self.warned = False
+        self.seen = None  # weak references to the layer's modules when make_current last looked (None: never)
+        self.warned = False  # the warning about modules selective_ckpt does not know was given
         self.modes = None  # the model's ModeAnnouncement, shared by its layers
 
     def watch_casts(self):
@@ -130,10 +125,43 @@ class ConvertedLayerState:
     def recompute(self, mode):
         self.policy = mode
 
+    def make_current(self):
+        """Makes the layer's patches current when its modules changed since it last looked, or a patched forward
+        was replaced (`kernels.kernelize` called on the model after convert): puts the patched forwards back
+        (warned), patches the LoRA dropouts and 8-bit Linears that are new (models/peft.py), and warns once
+        about modules selective_ckpt does not know. Modules are compared by identity, so an adapter deleted
+        and another of the same size added is seen too; held weakly, so a deleted adapter is freed."""
+        modules = list(self.layer.modules())
+        seen = self.seen
+        if seen is not None and len(seen) == len(modules) and all(
+                ref() is m and not replaced(m) for ref, m in zip(seen, modules)):
+            return
+        restored = restore_patches(self.layer)
+        if restored:
+            warnings.warn(f"selective_ckpt: {self.name}: the forwards of {', '.join(restored)} were replaced after "
+                          "convert (hub kernels' kernelize?); the converted forwards are put back", stacklevel=3)
+        for module, forward in plan_adapters(self.layer, self.name):
+            if getattr(module, PATCHED, None) is None:
+                patch_forward(module, forward)
+        unknown = unknown_modules(self.layer)
+        if unknown and not self.warned:
+            warnings.warn(f"selective_ckpt: {self.name} holds modules it does not know: {', '.join(unknown)}; what "
+                          "they save for backward is kept as they save it (their inputs may not be rebuilt)",
+                          stacklevel=3)
+            self.warned = True
+        self.seen = [weakref.ref(m) for m in modules]
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state["engine"] = None  # streams and pinned host memory belong to a process: set_recompute makes anew
+        state["seen"] = None  # weak references do not travel: the copy looks again at its first call
         return state
+
+    def __setstate__(self, state):
+        """A loaded (or copied) layer: the model's config names our attention function, which a fresh process
+        has not registered yet."""
+        self.__dict__.update(state)
+        attention.register()
 
 
 @contextlib.contextmanager
@@ -172,8 +200,7 @@ def _decoder_layer_forward(self, *args, **kwargs):
     mode = policy.recompute
     grad = torch.is_grad_enabled()
     if grad and self.training:
-        from .peft import check_layer
-        check_layer(self, state.name, state)
+        state.make_current()
         if state.modes is not None:
             state.modes.announce()
     caches = []
@@ -238,8 +265,26 @@ def announce_modes(layers):
 
 def convert_decoder_layer(layer, mode, shape_of=None, name=None, mlp=None):
     """Wraps the layer's forward in its pipeline (keeping.pipeline) under its policy; modules and parameters stay.
-    `mlp`: the name of the layer's MLP child, given the policy's tile count (keeping.tiling)."""
+    `mlp`: the name of the layer's MLP child, given the policy's tile count (keeping.tiling).
+
+    A layer under transformers' checkpointing before convert (`gradient_checkpointing_enable()`,
+    `activation_checkpointing_enable(every_n_layers=k)`, peft's `prepare_model_for_kbit_training`) stays
+    "full" with the checkpoint function the user chose (reentrant or not, offloaded or not): giving it `mode`
+    clears the flag, so it is set back, and warned of as checkpointing switched on after convert is."""
     if not hasattr(type(layer), "gradient_checkpointing"):
         raise ConversionError(f"{type(layer).__name__} is not a transformers GradientCheckpointingLayer")
-    setattr(layer, STATE, ConvertedLayerState(layer, mode, shape_of, name, mlp))
+    checkpointed = getattr(layer, "gradient_checkpointing", False)
+    state = ConvertedLayerState(layer, mode, shape_of, name, mlp)
+    if checkpointed:
+        state.recompute = "full"
+        state.full_asked = False  # transformers' checkpointing, as one switched on after convert: warned of
+    setattr(layer, STATE, state)
     patch_forward(layer, _decoder_layer_forward)
+
+
+def make_patches_current(root):
+    """Makes every patch under `root` current after transformers' kernelization (models/hub_kernels.py), silently:
+    puts back the patched forwards it replaced or dropped, in converted decoder layers and outside them (the
+    final norm). Each converted layer checks its adapters itself at its next training call
+    (ConvertedLayerState.make_current). Returns the names of the modules whose forwards were put back."""
+    return restore_patches(root)
