@@ -42,11 +42,21 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..ops.eager import TRANSPARENT_MODES
 from ..storages import PLAIN_TENSOR_TYPES, storage_id
 from .policy import OTHER, resolve
 
 _state = threading.local()
 _TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _node_types():
+    leaf = torch.zeros(1, requires_grad=True)
+    cast = leaf.to(torch.float64)
+    return type(cast.grad_fn), type(cast.grad_fn.next_functions[0][0])
+
+
+_TO_COPY_NODE, _ACCUMULATE_GRAD = _node_types()  # the autograd nodes of a dtype cast and of a leaf
 
 
 class _Rebuild:
@@ -116,6 +126,13 @@ class _LayerPipeline:
         self.tags = {}  # storage_id -> (weakref to a tensor of that storage, class)
         self.observer = observer  # the observing context's recorder (memory.ledger), or None
         self.classify = self.engine is not None or observer is not None  # else classes decide nothing
+        # Casts followed through the autograd graph (see _cast_by_graph): the edge (grad_fn, output_nr) of every
+        # registered or tagged tensor -> (weakref to it, its version then)
+        self.by_graph = False
+        self.edges = {}
+        self.learning = False  # watcher and graph both on: note casts the graph alone would miss
+        self.cast_keys = set()  # storages of the casts the watcher registered or tagged
+        self.unexplained = False
 
     # --- classes
 
@@ -126,6 +143,8 @@ class _LayerPipeline:
         if key is None or (if_untagged and self.class_of(t) != OTHER):
             return
         self.tags[key] = (weakref.ref(t), cls)
+        if self.by_graph:
+            self._edge(t)
 
     def class_of(self, t):
         key = _key(t)
@@ -145,6 +164,13 @@ class _LayerPipeline:
         key = _key(y)
         if key is not None:  # a subclass is kept as it is (view_of never finds one)
             self.outputs[key] = (y, y._version, rebuild)
+            if self.by_graph:
+                self._edge(y)
+
+    def _edge(self, t):
+        node = t.grad_fn
+        if node is not None:
+            self.edges[(node, t.output_nr)] = (weakref.ref(t), t._version)
 
     def view_of(self, t):
         """A _View reading t back from a registered output, or None."""
@@ -176,8 +202,75 @@ class _LayerPipeline:
             return None  # holding the root would cost more than the copy; a parameter is held anyway
         rebuild = _Rebuild(_cast_chain, (root, dtypes))
         self.register(cast, rebuild)
+        self.cast_keys.add(key)
         del self.casts[key]
         return self.outputs[key]
+
+    def _cast_by_graph(self, t, register=True):
+        """A _View rebuilding t when the autograd graph shows t is a dtype cast (aten._to_copy) of a registered
+        output, of a tagged tensor no larger than t or of a parameter, the source unchanged since (its version);
+        else None. Exact: the cast's node reads exactly that output of that node. Casts of tensors without
+        grad_fn (frozen parameters, outputs computed without gradients) are not seen here: the watcher sees them.
+        t may be a view of the cast (a matmul saves the transposed weight). With register=False: only whether it
+        is such a cast."""
+        saved = t
+        if t._base is not None:
+            t = t._base
+        node = t.grad_fn
+        if type(node) is not _TO_COPY_NODE:
+            return None
+        edge = node.next_functions[0]
+        if edge[0] is None or not t.is_contiguous() or _key(t) is None:
+            return None
+        found = self.edges.get(edge)
+        if found is not None:
+            root = found[0]()
+            if root is None or root._version != found[1] or root.dtype == t.dtype or root.shape != t.shape \
+                    or root.device != t.device:
+                return None
+            if self.learning and _key(root) in self.cast_keys:
+                return None  # a cast the watcher registered: the graph alone would not know it
+            source = self.view_of(root) if _key(root) in self.outputs else None
+            if source is not None:
+                rebuild = _Rebuild(_cast, (source, t.dtype))
+            elif root.is_contiguous() and (root.element_size() <= t.element_size()
+                                           or isinstance(root, torch.nn.Parameter)):
+                rebuild = _Rebuild(_cast_chain, (root, (t.dtype,)))  # held instead of the copy, as _promote_cast
+            else:
+                return None
+        elif type(edge[0]) is _ACCUMULATE_GRAD:
+            root = edge[0].variable
+            if not isinstance(root, torch.nn.Parameter) or root.dtype == t.dtype or root.shape != t.shape \
+                    or root.device != t.device or not root.is_contiguous():
+                return None
+            rebuild = _Rebuild(_cast_chain, (root, (t.dtype,)))
+        else:
+            return None
+        if not register:
+            return True
+        self.register(t, rebuild)
+        return self.view_of(saved)
+
+    def _learn(self, t):
+        """With watcher and graph both on: notes a cast the watcher registered or classed that the graph alone
+        would not have (then this layer keeps its watcher)."""
+        self.view_of(t)  # registers a cast the watcher saw that is rebuilt from a kept root (_promote_cast)
+        key = _key(t)
+        if key not in self.cast_keys:
+            return
+        if key in self.outputs and not self._cast_by_graph(t, register=False):
+            self.unexplained = True
+        elif self.classify and self._class_by_graph(t) != self.class_of(t):
+            self.unexplained = True
+
+    def _class_by_graph(self, t):
+        """The class of a cast's source found through the graph (OTHER when none)."""
+        node = (t if t._base is None else t._base).grad_fn
+        if type(node) is not _TO_COPY_NODE:
+            return OTHER
+        found = self.edges.get(node.next_functions[0])
+        root = found[0]() if found is not None else None
+        return OTHER if root is None else self.class_of(root)
 
     def note_cast(self, src, out):
         """Called for every dtype cast while casts are watched: the cast carries src's class, and is rebuilt from
@@ -187,9 +280,11 @@ class _LayerPipeline:
         cls = self.class_of(src)
         if cls != OTHER:
             self.tag(out, cls)
+            self.cast_keys.add(_key(out))
         view = self.view_of(src) if self.rebuilds else None
         if view is not None:
             self.register(out, _Rebuild(_cast, (view, out.dtype)))
+            self.cast_keys.add(_key(out))
             return
         key = _key(src)
         if key is None:
@@ -202,12 +297,25 @@ class _LayerPipeline:
 
     # --- the hooks
 
+    def lookup(self, t):
+        """A _View rebuilding t (a registered output, a view of one, or a cast the watcher or graph shows), or None."""
+        if self.learning:
+            self._learn(t)
+        view = self.view_of(t)
+        if view is None and self.by_graph and not self.learning:
+            view = self._cast_by_graph(t)
+        return view
+
     def pack(self, t):
         if self.rebuilds:
-            view = self.view_of(t)
+            view = self.lookup(t)
             if view is not None:
                 return view
+        elif self.learning:
+            self._learn(t)
         cls = self.class_of(t)
+        if cls == OTHER and self.by_graph and self.classify and not self.learning:
+            cls = self._class_by_graph(t)
         if self.engine is not None and self.policy.action(cls) == "offload" and _offloadable(t):
             handle = self.engine.offload(t)
             if self.observer is not None:
@@ -253,6 +361,9 @@ class _CastWatcher(TorchDispatchMode):
         return out
 
 
+TRANSPARENT_MODES.add(_CastWatcher)  # it only observes: the ops' direct eager path may run under it
+
+
 def _top_hooks():
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return None if top is None else top(False)
@@ -269,14 +380,25 @@ def needed(layer_policy, engine=None, registered=True):
     return (registered and resolve(layer_policy).recompute == "selective") or engine is not None
 
 
+def _cast_signature(layer_input, current):
+    """What decides which casts a layer's forward makes of what: autocast, whether gradients reach its input."""
+    cast = tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in ("cpu", "cuda"))
+    grad = isinstance(layer_input, torch.Tensor) and layer_input.requires_grad
+    return cast, grad, current.rebuilds, current.classify
+
+
 @contextlib.contextmanager
-def scope(policy="selective", engine=None, layer_input=None, watch_casts=None, registered=True):
+def scope(policy="selective", engine=None, layer_input=None, watch_casts=None, registered=True, memo=None):
     """Runs one layer's forward inside its pipeline (see the module doc); yields the pipeline or None.
 
     `policy`: a mode or keeping.LayerPolicy; registered outputs are rebuilt when it rebuilds "norm_act".
     `engine`: the model's offload engine (keeping.offload.OffloadEngine), used for the classes the policy
     offloads. `layer_input`: the layer's input x, of class "input". `watch_casts`: also follow dtype casts
-    (default: whenever autocast is on). `registered=False`: the layer's own nodes rebuild what the policy
+    (default: whenever autocast is on). `memo`: a dict the caller keeps per layer, which lets the pipeline follow
+    casts through the autograd graph instead of watching every op (a dispatch mode costs a Python call per op):
+    the first call of each kind (autocast, gradients to the input, policy) watches and notes whether the graph
+    shows every cast it saw; later calls of that kind watch only if it did not (casts of frozen parameters and
+    of outputs without gradients have no graph node). `registered=False`: the layer's own nodes rebuild what the policy
     rebuilds (SelectiveDecoderLayer), so the pipeline only classifies and offloads. A no-op when the policy
     needs no pipeline, when gradients are off,
     under torch.compile and inside another saved-tensor hook context than an observer's. Pipelines do not
@@ -308,17 +430,28 @@ def scope(policy="selective", engine=None, layer_input=None, watch_casts=None, r
     _state.pipeline = current
     if watch_casts is None:
         watch_casts = autocast_on()
+    signature = None
+    if watch_casts and memo is not None:
+        signature = _cast_signature(layer_input, current)
+        known = memo.get(signature)
+        if known is None:  # the first call of this kind: watcher and graph both, compared at each save
+            current.by_graph = current.learning = True
+        elif not known:
+            current.by_graph, watch_casts = True, False
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(current.pack, current.unpack))
             if watch_casts:
                 stack.enter_context(_CastWatcher(current))
             yield current
+        if current.learning:
+            memo[signature] = current.unexplained
     finally:
         _state.pipeline = previous
         current.outputs.clear()  # the pipeline's references to the outputs end with the forward
         current.casts.clear()
         current.tags.clear()
+        current.edges.clear()
 
 
 @contextlib.contextmanager
@@ -367,7 +500,7 @@ def source(x):
     current = _current()
     if current is None or not current.rebuilds or not isinstance(x, torch.Tensor):
         return x
-    view = current.view_of(x)
+    view = current.lookup(x)
     return x if view is None else view
 
 
