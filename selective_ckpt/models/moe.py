@@ -41,12 +41,12 @@ import torch
 
 from ..activations import has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
-from ..keeping import pipeline
+from ..keeping import pipeline, tiling
 from ..memory.estimate import MoE
 from ..ops.swiglu import gated_product_backward_op, gated_product_op, gated_product_rebuild_op
 from ..storages import PLAIN_TENSOR_TYPES
 from .errors import ConversionError
-from .patches import activate
+from .patches import activate, mlp_tiles, tiled_forward
 
 # experts implementation -> (how a token's rows are summed, the matmuls' dtype rule)
 IMPLEMENTATIONS = {"eager": ("index_add", "autocast"), "grouped_mm": ("sum", "weight"),
@@ -306,21 +306,70 @@ def check_experts(experts, name):
                               "rebuilds inside the experts (silu, gelu, gelu_tanh without hooks of their own)")
 
 
+# --- The sparse MoE blocks: transformers' own forward, or over sequence tiles (keeping.tiling) when the layer's
+# policy asks for mlp_tiles > 1.
+
+def _router_logits():
+    """The list transformers' output capturing appends each router call's logits to in this forward (a model
+    called with output_router_logits), or None where no logits are collected."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    collected = _active_collector.get()
+    return None if collected is None else collected.get("router_logits")
+
+
+def _in_tiles(block, hidden_states, rows_of):
+    """rows_of(block, rows) -> the block's output rows, run over the block's MLP_TILES sequence tiles of
+    hidden_states [B, S, h] (keeping.tiling: each tile, router and experts, under its own checkpoint).
+
+    Routing is per token, so each token's output comes from its own row (exact up to the rounding of matmuls
+    over fewer rows). The router runs once per tile: where its logits are collected for the auxiliary loss, the
+    tiles' logits are concatenated into the one [B*S, E] tensor of the layer, in transformers' (batch, token)
+    order, so the loss and `router_logits` have the untiled shapes and values (up to that rounding)."""
+    batch, _, hidden = hidden_states.shape
+    logits = _router_logits()
+    start = None if logits is None else len(logits)
+
+    def tile(t):
+        return rows_of(block, t.reshape(-1, hidden)).view(t.shape)
+
+    out = tiling.run_in_tiles(tile, hidden_states, mlp_tiles(block))
+    if logits is not None and len(logits) - start > 1:
+        tiles = logits[start:]
+        del logits[start:]
+        experts = tiles[0].shape[-1]
+        logits.append(torch.cat([t.view(batch, -1, experts) for t in tiles], dim=1).view(-1, experts))
+    return out
+
+
+def _routed_rows(block, x):
+    _, routing_weights, selected_experts = block.gate(x)
+    return block.experts(x, selected_experts, routing_weights)
+
+
+@tiled_forward
+def routed_block_forward(self, hidden_states):
+    """A sparse MoE block of router and experts (MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock): transformers' own
+    forward, or with the layer's mlp_tiles > 1 and autograd recording, router and experts over sequence tiles
+    (_in_tiles)."""
+    if mlp_tiles(self) == 1 or not _records(self, hidden_states):
+        return type(self).forward(self, hidden_states)
+    noise = getattr(self, "jitter_noise", 0) or 0
+    if self.training and noise > 0:
+        raise ValueError(f"{type(self).__name__}: router_jitter_noise={noise} multiplies the experts' input in place "
+                         "in training, which selective_ckpt cannot rebuild; set it to 0")
+    return _in_tiles(self, hidden_states, _routed_rows)
+
+
 # --- Qwen2-MoE's block: routed experts plus a shared expert scaled by a sigmoid gate.
 
 def _scaled(scale, p):
     return scale * p
 
 
-def shared_expert_block_forward(self, hidden_states):
-    """Qwen2MoeSparseMoeBlock: experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x), the sigmoid
-    applied to the shared expert's product before its down projection (rebuilt, so only gate, up and the
-    sigmoid's output are kept). A shared expert with hooks of its own is called as a module instead. Where
-    autograd records nothing, transformers' own block forward runs."""
-    if not _records(self, hidden_states):
-        return type(self).forward(self, hidden_states)
-    batch_size, sequence_length, hidden_dim = hidden_states.shape
-    x = hidden_states.view(-1, hidden_dim)
+def _shared_expert_rows(self, x):
     se = self.shared_expert
     _, routing_weights, selected_experts = self.gate(x)
     routed = self.experts(x, selected_experts, routing_weights)
@@ -331,7 +380,23 @@ def shared_expert_block_forward(self, hidden_states):
         p = activate(se.act_fn, se.gate_proj(x), se.up_proj(x))
         sp = pipeline.discardable(_scaled(scale, p), _scaled, scale, pipeline.source(p))
         shared = se.down_proj(sp)
-    return (routed + shared).reshape(batch_size, sequence_length, hidden_dim)
+    return routed + shared
+
+
+@tiled_forward
+def shared_expert_block_forward(self, hidden_states):
+    """Qwen2MoeSparseMoeBlock: experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x), the sigmoid
+    applied to the shared expert's product before its down projection (rebuilt, so only gate, up and the
+    sigmoid's output are kept). A shared expert with hooks of its own is called as a module instead. With the
+    layer's mlp_tiles > 1, over sequence tiles (_in_tiles). Where autograd records nothing, transformers' own
+    block forward runs."""
+    if not _records(self, hidden_states):
+        return type(self).forward(self, hidden_states)
+    if mlp_tiles(self) > 1:
+        return _in_tiles(self, hidden_states, _shared_expert_rows)
+    batch_size, sequence_length, hidden_dim = hidden_states.shape
+    out = _shared_expert_rows(self, hidden_states.view(-1, hidden_dim))
+    return out.reshape(batch_size, sequence_length, hidden_dim)
 
 
 # --- The family description the driver reads (hf.ModelSpec.moe).
@@ -342,7 +407,7 @@ class MoESpec:
     children: tuple  # the block's children
     experts: str  # the experts' class name
     router: str  # the router's class name
-    block_forward: object = None  # a patched forward of the block, or None (transformers' own stays)
+    block_forward: object = None  # the block's patched forward; None: routed_block_forward (router and experts)
     shared: bool = False  # a shared expert (gated MLP of the spec's MLP class) and its sigmoid gate
     check: object = None  # extra checks (block, name) raising ConversionError
     weights_dtype: object = None  # the routing weights' dtype (Mixtral's stay float32), None: the router logits'
@@ -374,9 +439,8 @@ class MoESpec:
         from .hf import modules_of
 
         out = [(m, experts_forward) for _, m in modules_of(root, self.experts)]
-        if self.block_forward is not None:
-            out += [(m, self.block_forward) for _, m in modules_of(root, self.block)]
-        return out
+        block_forward = self.block_forward or routed_block_forward
+        return out + [(m, block_forward) for _, m in modules_of(root, self.block)]
 
 
 def moe_of(block, spec):

@@ -248,9 +248,16 @@ def gelu_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="
     return forward
 
 
-# The code of each MLP forward that tiles (a factory's closures share their code, also once unpickled).
-_TILED_CODES = frozenset(f.__code__ for f in (swiglu_mlp_forward, packed_gate_up_mlp_forward,
-                                              gelu_mlp_forward_factory()))
+# The code of each MLP forward that tiles (a factory's closures share their code, also once unpickled); the
+# mixture-of-experts blocks' forwards (models/moe.py) add theirs through `tiled_forward`.
+_TILED_CODES = {f.__code__ for f in (swiglu_mlp_forward, packed_gate_up_mlp_forward, gelu_mlp_forward_factory())}
+
+
+def tiled_forward(forward):
+    """Marks `forward`, an MLP's patched forward defined elsewhere, as running in its module's MLP_TILES tiles
+    (runs_in_tiles); returns it (a decorator)."""
+    _TILED_CODES.add(forward.__code__)
+    return forward
 
 
 def runs_in_tiles(forward):
