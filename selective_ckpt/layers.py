@@ -280,18 +280,20 @@ class SelectiveDecoderLayer(nn.Module):
         return x1 + m
 
 
-def set_recompute(model, mode_or_list, every=None, *, engine=None, prefetch=1, host_bytes=None, strict=False):
+def set_recompute(model, mode_or_list, every=None, *, engine=None, prefetch=None, host_bytes=None, strict=False):
     """Sets what every SelectiveDecoderLayer and converted Hugging Face decoder layer of `model` keeps (in module
     order); returns the layers' policies (keeping.LayerPolicy, which print as their mode and what they offload).
 
     - a mode ("selective", "none", "full") or a keeping.LayerPolicy (e.g. keeping.policy("selective",
       offload=["mlp"])): every layer;
-    - a list of modes or policies, one per layer (what selective_ckpt.memory's planner returns);
+    - a list of modes or policies, one per layer (what selective_ckpt.plan and memory.plan return; a plan
+      of selective_ckpt.plan also gives the offload engine's prefetch);
     - `every=k` with a mode or policy: "full" on layers 0, k, 2k, ... and that one on the rest (segment
       checkpointing: a full layer every k keeps only its input).
 
     When a policy offloads, the layers share one offload engine (keeping.offload.OffloadEngine): `engine`, else
-    the one the model's layers have, else a new one with `prefetch` (layers reloaded ahead of backward),
+    the one the model's layers have, else a new one with `prefetch` (layers reloaded ahead of backward; default
+    the plan's, else 1),
     `host_bytes` (its pinned host arena, sized on the first step when None) and `strict` (an error instead of
     pageable memory when pinning fails).
     """
@@ -318,6 +320,8 @@ def set_recompute(model, mode_or_list, every=None, *, engine=None, prefetch=1, h
         check = getattr(layer, "_mlp_running_in", None)
         if check is not None:
             check(p.mlp_tiles)
+    if prefetch is None:
+        prefetch = getattr(mode_or_list, "prefetch", 1)
     if any(p.offloaded for p in policies):
         engine = _shared_engine(layers, engine, prefetch, host_bytes, strict)
     elif engine is not None:

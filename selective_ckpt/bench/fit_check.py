@@ -153,7 +153,8 @@ def build_parser():
 
 def main(argv=None):
     from ..fit.__main__ import form_from_arguments
-    from ..fit.arithmetic import ALLOCATOR_SHARE, predict
+    from ..fit.arithmetic import ALLOCATOR_SHARE
+    from ..fit.fitting import predict
 
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)

@@ -7,49 +7,20 @@ import argparse
 import re
 import sys
 
-from .arithmetic import BudgetError, fit
+from .arithmetic import BudgetError
+from .cards import _NUMBER, _UNITS, GPUS, default_host_bytes, is_card, parse_bytes
 from .configs import BUNDLED, HF_EXTRA, MissingExtra
+from .fitting import fit
 from .forms import ALL_LINEAR, TrainingForm
+from .rates import RATES, rates_for
 from .report import report
 
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2 ** 10, "mib": 2 ** 20,
-          "gib": 2 ** 30, "tib": 2 ** 40}
-_NUMBER = r"[0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?"
-
-# What each card reports as its memory: nvidia-smi's memory.total, in MiB (the published figures of each card's
-# nvidia-smi output). A bare size such as 80GB is 80e9 bytes; a card name is the card's memory.
-GPUS = {
-    "H100": 81559, "H100-80GB": 81559,
-    "H200": 143771,
-    "A100-80GB": 81920,
-    "A100-40GB": 40960,
-    "RTX-4090": 24564,
-    "L4": 23034,
-    "A10G": 23028,
-    "L40S": 46068,
-}
+__all__ = ["GPUS", "build_parser", "main", "parse_bytes", "parse_seq_len"]
 
 
-def _card_key(text):
-    return re.sub(r"[\s_-]", "", text.upper())
-
-
-_CARDS = {_card_key(name): mib for name, mib in GPUS.items()}
-
-
-def parse_bytes(text):
-    """Bytes from a size (80GB = 80e9, 24GiB = 24 * 2**30, 141e9, "80 GB") or a card name of GPUS (its memory as
-    nvidia-smi reports it). Raises ValueError naming --gpu."""
-    if not isinstance(text, str):
-        raise TypeError(f"--gpu must be a string such as '80GB', got {type(text).__name__}")
-    card = _CARDS.get(_card_key(text))
-    if card is not None:
-        return card * 2 ** 20
-    m = re.fullmatch(rf"\s*({_NUMBER})\s*([a-zA-Z]*)\s*", text, flags=re.IGNORECASE)
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"--gpu: {text!r} is neither a size (80GB = 80e9 bytes, 24GiB, 141e9) nor a card "
-                         f"({', '.join(GPUS)})")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+def _rates_card(text):
+    rates_for(text)  # a ValueError naming the cards when there is no table for it
+    return text
 
 
 _TOKENS = {"": 1, "k": 2 ** 10, "m": 2 ** 20}
@@ -150,8 +121,11 @@ _EPILOG = f"""\
 --gpu takes a size or a card name: 80GB is 80e9 bytes, 24GiB is 24 * 2**30 bytes, and a card
 name is the memory that card reports (nvidia-smi's total):
   {", ".join(GPUS)}.
---seq-len max reports at the longest context ours fits with every layer "selective"; either way
-each variant's longest context is listed (the largest that fits, the next one not).
+--seq-len max reports at the longest context the plan fits (per layer: keep, offload to pinned
+host memory or rebuild, within --gpu and --host); either way each variant's longest context is
+listed (the largest that fits, the next one not).
+--host is the pinned host memory offloading may use (default: half of this machine's memory).
+--rates names the card whose rates predict step times (default: the --gpu card, else H200).
 Needs transformers and peft: {HF_EXTRA}."""
 
 
@@ -164,7 +138,13 @@ def build_parser():
     p.add_argument("--batch", type=int, default=1, help="samples per step (default: %(default)s)")
     p.add_argument("--seq-len", default="max", type=_argument(parse_seq_len),
                    help="tokens per sample: a number (8192), K = 1024 tokens (8k, 128K), or max: the longest context "
-                        "ours fits with every layer selective (default: %(default)s)")
+                        "the plan fits (default: %(default)s)")
+    p.add_argument("--host", default=None, type=_argument(lambda text: (text, parse_bytes(text, "--host"))),
+                   help="pinned host memory for offloaded activations: a size (256GB, 128GiB) (default: half of "
+                        "this machine's memory)")
+    p.add_argument("--rates", default=None, type=_argument(_rates_card),
+                   help=f"the card whose rates predict step times: {', '.join(RATES)} (default: the --gpu card "
+                        "if it is one, else H200)")
     add_form_arguments(p)
     p.add_argument("--wide", action="store_true", help="one table on wide lines instead of lines of 100 columns")
     return p
@@ -174,7 +154,9 @@ def main(argv=None):
     p = build_parser()
     a = p.parse_args(_merge_gpu_unit(sys.argv[1:] if argv is None else argv))
     try:
-        result = fit(a.config, a.gpu[1], a.batch, a.seq_len, form_from_arguments(a))
+        host = a.host[1] if a.host is not None else default_host_bytes()
+        rates = a.rates or (a.gpu[0] if is_card(a.gpu[0]) else None)
+        result = fit(a.config, a.gpu[1], a.batch, a.seq_len, form_from_arguments(a), host_bytes=host, rates=rates)
     except MissingExtra as err:
         print(f"{p.prog}: error: {err}", file=sys.stderr)
         return 1

@@ -24,11 +24,13 @@ import collections
 import contextlib
 import dataclasses
 
-from ..validation import check_positive_int
+from .. import keeping
 from . import simulate
 from .forms import TrainingForm
 
-VARIANTS = ("transformers", "transformers + gradient checkpointing", "ours none", "ours selective", "ours full",
+TRANSFORMERS_OFFLOADED = "transformers + offloaded checkpointing"
+VARIANTS = ("transformers", "transformers + gradient checkpointing", TRANSFORMERS_OFFLOADED, "ours none",
+            "ours selective", "ours full",
             "ours full, inputs offloaded", "ours attention-kept", "ours attention-kept, inputs offloaded",
             "ours plan")
 _SIMULATED = {"transformers": "transformers", "transformers + gradient checkpointing": "checkpointing",
@@ -36,7 +38,7 @@ _SIMULATED = {"transformers": "transformers", "transformers + gradient checkpoin
               "ours attention-kept": "attention-kept"}
 # variants whose layers copy their input to host memory (keeping.policy(mode, offload=["input"])), by the
 # simulated mode they otherwise run
-_INPUTS_OFFLOADED = {"ours full, inputs offloaded": "full",
+_INPUTS_OFFLOADED = {TRANSFORMERS_OFFLOADED: "checkpointing", "ours full, inputs offloaded": "full",
                      "ours attention-kept, inputs offloaded": "attention-kept"}
 ALLOCATOR_SHARE = 0.05  # the caching allocator's rounding and fragmentation, as a share of the peak
 
@@ -66,52 +68,12 @@ class Variant:
     head_transient: int = 0
     layer_transient: int = 0
     peak: int = 0
-    host: int = 0  # bytes in (pinned) host memory: the offloaded layer inputs of every layer but the last
+    host: int = 0  # bytes in (pinned) host memory: the offloaded copies
     phases: dict = dataclasses.field(default_factory=dict)
+    step_seconds: float = None  # the time model's (fit.timing), with the Fit's rates
+    tokens_per_second: float = None
     modes: list = None
     error: str = None
-
-
-@dataclasses.dataclass
-class Fit:
-    """The projection: `parts` (bytes by part), `variants` (name -> Variant with its peak), `max_context`
-    (name -> longest context per sample that fits, or 0), `not_modelled` (what the model leaves out)."""
-
-    model_type: str
-    form: TrainingForm
-    batch: int
-    seq_len: int
-    gpu_bytes: int
-    num_layers: int
-    parts: dict
-    variants: dict
-    max_context: dict = dataclasses.field(default_factory=dict)
-    not_modelled: tuple = NOT_MODELLED
-    # name -> the variant whose longest context a row's is (the plan's is every layer "full"'s when no other
-    # plan fits longer), for rows whose figure is another row's
-    max_context_from: dict = dataclasses.field(default_factory=dict)
-    # "simulated" when the figures at seq_len come from steps simulated at that context, else how they were
-    # read off the simulated ones (seq_len "max" lands between simulated contexts)
-    source: str = "simulated"
-    seq_len_asked: object = None  # the seq_len fit was given: a number of tokens, or "max"
-    _projection: object = dataclasses.field(default=None, repr=False, compare=False)
-
-    def fits(self, name):
-        v = self.variants[name]
-        return v.error is None and _fits(v.peak, self.gpu_bytes)
-
-    def at(self, name, seq_len):
-        """The Variant `name` at another context, from the same simulated steps (the projection the longest
-        contexts come from): simulated where one was, else linear between the nearest simulated contexts."""
-        if name not in VARIANTS:
-            raise ValueError(f"name must be one of {VARIANTS}, got {name!r}")
-        check_positive_int(seq_len, "seq_len")
-        return _variants(self._projection, seq_len, self.gpu_bytes, names=(name,))[name]
-
-    def fits_at(self, name, seq_len):
-        """Whether `name` fits the GPU at `seq_len` by the projection (`at`)."""
-        v = self.at(name, seq_len)
-        return v.error is None and _fits(v.peak, self.gpu_bytes)
 
 
 def _fits(peak, gpu_bytes):
@@ -174,6 +136,8 @@ class _Model:
         self.config, self.form = config, form
         self.num_layers = config.num_hidden_layers
         self._steps = {}
+        self._class_bytes = {}
+        self._cost = None
 
     def ours_error(self):
         if not hasattr(self, "_ours_error"):
@@ -188,7 +152,7 @@ class _Model:
     def layered(self, kind, batch, seq_len):
         """_Layered of one simulated kind ("transformers", "checkpointing", "none", "selective", "full")."""
         if (kind, batch, seq_len) not in self._steps:
-            kinds = _GROUPS[_group(kind)]
+            kinds = _kinds(_group(kind))
             steps = {k: [] for k in kinds}
             for layers in (1, 2):
                 for k, step in self._simulate(layers, kinds, batch, seq_len).items():
@@ -218,16 +182,52 @@ class _Model:
             for mode in kinds:
                 set_recompute(model, mode)
                 out[mode] = simulate.run_step(model, batch, seq_len, autocast)
+                if layers == 2:
+                    self._class_bytes.setdefault(keeping.resolve(mode).recompute, _class_bytes(model, autocast))
         return out
 
+    def class_bytes(self, mode):
+        """{class: device bytes per token} a decoder layer keeps in recompute mode `mode` (the estimate's, which
+        the ledger measures: tests/keeping), read from the converted model of a simulated step."""
+        if mode not in self._class_bytes:
+            self.layered(mode, 1, _PROBES[0])
+        return self._class_bytes[mode]
 
-# the simulated kinds, by the run that simulates them together (one model built per group and layer count)
+    @property
+    def cost(self):
+        """The step's work (fit.timing.StepCost) for the time model."""
+        if self._cost is None:
+            from .cost import step_cost
+
+            self._cost = step_cost(self.config, self.form)
+        return self._cost
+
+
+_CLASS_TOKENS = 1024  # tokens the per-class bytes are estimated at (every class's bytes are per token)
+
+
+def _class_bytes(model, autocast):
+    from ..models.configuration import layer_estimate
+    from ..registry import recomputable_layers
+
+    layer = recomputable_layers(model)[-1]
+    split = layer_estimate(layer, _CLASS_TOKENS, 1, autocast_dtype=autocast, breakdown="class")
+    return {c: v["device"] / _CLASS_TOKENS for c, v in split.items() if c in keeping.CLASSES and v["device"]}
+
+
+# the simulated kinds, by the run that simulates them together (one model built per group and layer count); a
+# policy of another kind (a checkpointed mode with its MLP in tiles: keeping.policy(mode, mlp_tiles=n)) is a
+# group of its own, simulated when first read
 _GROUPS = {"transformers": ("transformers", "checkpointing"), "ours": ("none", "selective", "full"),
            "long": ("attention-kept",)}
 
 
 def _group(kind):
-    return next(g for g, kinds in _GROUPS.items() if kind in kinds)
+    return next((g for g, kinds in _GROUPS.items() if kind in kinds), kind)
+
+
+def _kinds(group):
+    return _GROUPS.get(group, (group,))
 
 
 def _line(a, b, x0, x1, x):
@@ -265,15 +265,21 @@ class _Projection:
 
     def __init__(self, model, batch):
         self.model, self.batch = model, batch
-        self.contexts = {g: set(_PROBES) for g in _GROUPS}
+        # contexts simulated for every group, those created later (a tiled policy's) included
+        self.everywhere = set(_PROBES)
+        self.contexts = collections.defaultdict(lambda: set(self.everywhere))
         self.linear_from = _linear_from(model.config, batch)
 
     @property
     def num_layers(self):
         return self.model.num_layers
 
-    def simulate(self, seq_len, groups=tuple(_GROUPS)):
-        """Read the figures at `seq_len` off steps simulated there (simulated when first read)."""
+    def simulate(self, seq_len, groups=None):
+        """Read the figures at `seq_len` off steps simulated there (simulated when first read): for `groups`, or
+        None for every group, those first read later too."""
+        if groups is None:
+            self.everywhere.add(seq_len)
+            groups = tuple(set(_GROUPS) | set(self.contexts))
         for g in groups:
             self.contexts[g].add(seq_len)
 
@@ -315,7 +321,7 @@ def _quiet():
             log.setLevel(level)
 
 
-def _phases(layered, modes, L, offloaded=0):
+def _phases(layered, modes, L, offloaded=None, prefetch=1, first_offloaded=None, in_flight=2):
     """Bytes held over weights and optimizer state in each phase of an L-layer step whose layer j runs as
     layered[modes[j]] (one kind for every layer, or a per-layer plan).
 
@@ -327,14 +333,24 @@ def _phases(layered, modes, L, offloaded=0):
     backward are read off the 2-layer step's second layer. Within a run of layers in one mode each phase's
     bytes are linear in the layer's index, so only a run's first and last layer can hold the most.
 
-    `offloaded`: bytes of each layer's keeping that its offload engine copies to host memory (one mode for every
-    layer). A layer's copy starts when the next layer's forward begins and the last layer's never: layer j's
-    forward holds the offloaded bytes of layers j-1 and j-2 (a copy may be in flight), the head and the loss
-    backward those of the last two layers, and layer j's backward those of layer j and the one reloaded ahead of
-    it (prefetch 1), so the others' are taken off.
+    `offloaded`: {mode: bytes of a layer's keeping that its offload engine copies to host memory}. A layer's copy
+    starts when the next layer's forward begins and the last layer's never: layer j's forward holds the
+    offloaded bytes of layers j-1 and j-2 (a copy may be in flight), the head and the loss backward those of the
+    last two layers, and layer j's backward those of layer j and the `prefetch` layers reloaded ahead of it, so
+    the others' are taken off. `first_offloaded`: what the first layer offloads, where it keeps less than the
+    others (its input is no activation). `in_flight` 1: copies finish within the next layer's forward (the time
+    model says when), so layer j's forward holds layer j-1's only.
     """
     def step(m, phase, two_phase=None):
         return layered[m].most(two_phase or phase, two=True) - layered[m].most(phase)
+
+    off = _offloads(modes, offloaded, first_offloaded)
+    on_host = [0]  # on_host[n]: bytes the first n layers offload
+    for b in off:
+        on_host.append(on_host[-1] + b)
+
+    def copied(n):  # what the first n layers (none if n < 1) have in host memory
+        return on_host[max(0, min(n, L))]
 
     runs = _runs(modes)
     kinds = {m for m, _, _ in runs}
@@ -350,21 +366,28 @@ def _phases(layered, modes, L, offloaded=0):
         for j in {max(start, 1), stop - 1}:
             if 1 <= j < stop:
                 backward = max(backward, layered[m].most(("backward", 1), two=True) - kept[m] + below +
-                               (j - start) * kept[m] + (L - 1 - j) * g - max(0, j - 1) * offloaded)
+                               (j - start) * kept[m] + (L - 1 - j) * g - copied(j - prefetch))
                 forward = max(forward, layered[m].most(("forward", 1), two=True) - head[m] + ahead +
-                              (j - start) * head[m] - max(0, j - 2) * offloaded)
+                              (j - start) * head[m] - copied(j - in_flight))
         below += (stop - start) * kept[m]
         ahead += (stop - start) * head[m]
     m_last = modes[-1]
     return {
         "embedding": first.most("embedding"),
         "forward": forward,
-        "head": last.most("head") + ahead - head[m_last] - max(0, L - 2) * offloaded,
+        "head": last.most("head") + ahead - head[m_last] - copied(L - in_flight),
         "loss backward": last.most("loss backward") + sum((stop - start) * loss[m] for m, start, stop in runs)
-        - loss[m_last] - max(0, L - 2) * offloaded,
+        - loss[m_last] - copied(L - in_flight),
         "layer backward": backward,
         "optimizer": first.most("optimizer") + (L - 1) * step(modes[0], "optimizer"),
     }
+
+
+def _offloads(modes, offloaded, first_offloaded):
+    off = [(offloaded or {}).get(m, 0) for m in modes]
+    if first_offloaded is not None and off:
+        off[0] = first_offloaded
+    return off
 
 
 def _runs(modes):
@@ -377,19 +400,22 @@ def _runs(modes):
     return out
 
 
-def _variant(name, layered, modes, L, offloaded=0):
+def _variant(name, layered, modes, L, offloaded=None, prefetch=1, first_offloaded=None, in_flight=2):
+    """The Variant `name` of an L-layer step whose layer j runs as layered[modes[j]], offloading
+    offloaded[modes[j]] bytes (the first layer `first_offloaded` where given; see _phases)."""
     runs = _runs(modes)
     kinds = {m: layered[m] for m, _, _ in runs}
     v = Variant(name, modes=list(modes) if name == "ours plan" else None)
     base = kinds[modes[0]]
-    v.phases = _phases(kinds, modes, L, offloaded)
-    v.host = max(0, L - 1) * offloaded
+    v.phases = _phases(kinds, modes, L, offloaded, prefetch, first_offloaded, in_flight)
+    off = _offloads(modes, offloaded, first_offloaded)
+    v.host = sum(off[:-1])  # every layer's copy but the last's
     # the first layer may keep less than the others (its input is no activation): what one step keeps at the
     # forward's end is L layers' and the rest, the rest being at least 0
     forward_end = base.one.forward_end - base.kept + sum((stop - start) * kinds[m].kept for m, start, stop in runs)
     v.kept_outside = max(0, base.one.forward_end - base.kept)
     v.kept_per_layer = (forward_end - v.kept_outside) // L
-    on_device = forward_end - max(0, L - 2) * offloaded  # the inputs copied out by the forward's end
+    on_device = forward_end - sum(off[:max(0, L - in_flight)])  # the copies made by the forward's end
     v.head_transient = max(v.phases["head"], v.phases["loss backward"]) - on_device
     v.layer_transient = max(k.transient(("backward", 0)) for k in kinds.values())
     v.peak = base._line("weights")(L) + base._line("state")(L) + max(v.phases.values())
@@ -401,7 +427,8 @@ def _parts(layered, L):
             "optimizer state": layered._line("state")(L)}
 
 
-def _variants(proj, seq_len, gpu_bytes=None, names=VARIANTS):
+def _variants(proj, seq_len, names=VARIANTS):
+    """{name: Variant} of the variants of `names` but "ours plan" (fit.plan's) at `seq_len`: memory only."""
     out = {}
     L = proj.num_layers
     for name in names:
@@ -411,10 +438,10 @@ def _variants(proj, seq_len, gpu_bytes=None, names=VARIANTS):
             out[name] = Variant(name, error=proj.model.ours_error())
             continue
         kind = _SIMULATED.get(name) or _INPUTS_OFFLOADED[name]
-        offloaded = _input_bytes(proj, seq_len) if name in _INPUTS_OFFLOADED else 0
+        offloaded = {kind: _input_bytes(proj, seq_len)} if name in _INPUTS_OFFLOADED else None
         out[name] = _variant(name, {kind: proj.layered(kind, seq_len)}, [kind] * L, L, offloaded)
-    if "ours plan" in names and gpu_bytes is not None:
-        out["ours plan"] = _plan_variant(proj, seq_len, gpu_bytes)
+        if name == TRANSFORMERS_OFFLOADED:  # save_on_cpu copies every layer's input, the last one's too
+            out[name].host += _input_bytes(proj, seq_len)
     return out
 
 
@@ -426,39 +453,6 @@ def _input_bytes(proj, seq_len):
     return proj.batch * seq_len * proj.model.config.hidden_size * size
 
 
-def _plan_variant(proj, seq_len, gpu_bytes):
-    """The per-layer modes with the least recompute that fit `gpu_bytes`: the fewest "full" layers, then the
-    fewest "selective" (the rest "none"); "full" layers first, as memory.plan places them (their re-run comes
-    last in backward, when the fewest activations are still kept)."""
-    if proj.model.ours_error():
-        return Variant("ours plan", error=proj.model.ours_error())
-    L = proj.num_layers
-    layered = {m: proj.layered(m, seq_len) for m in ("none", "selective", "full")}
-    for n_full in range(L + 1):
-        for n_sel in range(L - n_full + 1):
-            modes = ["full"] * n_full + ["selective"] * n_sel + ["none"] * (L - n_full - n_sel)
-            v = _variant("ours plan", layered, modes, L)
-            if _fits(v.peak, gpu_bytes):
-                return v
-    v.error = "no per-layer plan fits"
-    return v
-
-
-def predict(config, batch, seq_len, form=None, names=VARIANTS):
-    """{variant name: Variant} (its `peak` and `phases` in bytes) of one step at `batch` x `seq_len`;
-    "ours plan" needs a budget (fit) and is left out here."""
-    from .configs import load_config, require
-
-    check_positive_int(batch, "batch")
-    check_positive_int(seq_len, "seq_len")
-    form = _form(form)
-    if form.kind != "full":
-        require("peft")
-    proj = _Projection(_Model(load_config(config), form), batch)
-    proj.simulate(seq_len)
-    return _variants(proj, seq_len, names=tuple(n for n in names if n != "ours plan"))
-
-
 def _form(form):
     form = form if form is not None else TrainingForm()
     if not isinstance(form, TrainingForm):
@@ -468,182 +462,3 @@ def _form(form):
 
 # contexts of the two simulated steps the longest context is read from (past ours' loss-head chunk length)
 _PROBES = (4096, 8192)
-# with seq_len "max": at most this many more contexts simulated near the answer, so that its figures are a
-# simulation's (each such step moves the line the answer is read from closer to the steps there)
-_ROUNDS = 3
-# simulated steps of the last configs and forms fit() saw (a few MiB at most): asking again, for another
-# budget or context, reads the same steps
-_CACHE = collections.OrderedDict()
-_CACHE_SIZE = 4
-
-
-def _model(config, form):
-    key = (config.to_json_string(use_diff=False), form,
-           getattr(config, "_attn_implementation_internal", None),
-           getattr(config, "_experts_implementation_internal", None))
-    if key not in _CACHE:
-        _CACHE[key] = _Model(config, form)
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    _CACHE.move_to_end(key)
-    return _CACHE[key]
-
-
-def fit(config, gpu_bytes, batch=1, seq_len="max", form=None):
-    """Projects one training step's peak memory for `config` (load_config's input) on a GPU of
-    `gpu_bytes`, per variant (VARIANTS), and the longest context per sample that fits each.
-
-    `seq_len`: tokens per sample, or "max" (the report is then at the longest context ours fits with
-    "selective"). `form`: a TrainingForm (default: full fine-tune, AdamW, float32).
-
-    The longest contexts fit by construction: each is the largest context at which the projection (the
-    simulated steps where there is one, else the line through the nearest simulated contexts; Fit.at) fits,
-    the next one not (or the config's max_position_embeddings). Raises BudgetError (a ValueError) when the
-    GPU holds less than the weights and optimizer state alone. The simulated steps of the last few configs
-    and forms are kept, so another budget or context of the same config and form costs no simulation there.
-    """
-    from .configs import load_config, require
-
-    config = load_config(config)
-    form = _form(form)
-    if form.kind != "full":
-        require("peft")
-    if isinstance(gpu_bytes, bool) or not isinstance(gpu_bytes, (int, float)) or gpu_bytes <= 0:
-        raise ValueError(f"gpu_bytes must be a positive number of bytes, got {gpu_bytes!r}")
-    check_positive_int(batch, "batch")
-    if seq_len != "max":
-        check_positive_int(seq_len, "seq_len")
-    asked = seq_len
-    proj = _Projection(_model(config, form), batch)
-    fixed = _fixed(proj)
-    if fixed >= gpu_bytes:
-        raise BudgetError(gpu_bytes, fixed, form)
-    limit = getattr(config, "max_position_embeddings", None) or 1 << 20
-    if seq_len != "max":
-        proj.simulate(seq_len)
-    max_context, sources = _longest_all(proj, gpu_bytes, limit)
-    if seq_len == "max":
-        target = "ours selective" if max_context["ours selective"] else max(VARIANTS, key=max_context.get)
-        group = (_group(_SIMULATED[target]),) if target in _SIMULATED else tuple(_GROUPS)
-        for _ in range(_ROUNDS):
-            at = max(1, max_context[target])
-            if proj.simulated(at, group):
-                break
-            proj.simulate(at, group)
-            max_context, sources = _longest_all(proj, gpu_bytes, limit)
-        seq_len = max(1, max_context[target])
-        if not proj.simulated(seq_len):  # the other rows at the same context, simulated too
-            proj.simulate(seq_len, tuple(g for g in _GROUPS if g not in group or not proj.simulated(seq_len, (g,))))
-            max_context, sources = _longest_all(proj, gpu_bytes, limit)
-            seq_len = max(1, max_context[target])
-    variants = _variants(proj, seq_len, gpu_bytes)
-    ok = next(v for v in variants.values() if v.error is None)
-    kind = "transformers" if ok.name.startswith("transformers") else "selective"
-    parts = _parts(proj.layered(kind, seq_len), proj.num_layers)
-    return Fit(config.model_type, form, batch, seq_len, int(gpu_bytes), proj.num_layers, parts, variants,
-               max_context, max_context_from=sources, source=_source(proj, seq_len), seq_len_asked=asked,
-               _projection=proj)
-
-
-def _source(proj, seq_len):
-    if proj.simulated(seq_len):
-        return "simulated"
-    x0, x1 = proj.between("selective", seq_len)
-    return f"read off the steps simulated at {x0} and {x1} tokens (each term linear in the context)"
-
-
-def _fixed(proj):
-    """Weights and optimizer state: what the step holds before it starts."""
-    layered = proj.layered("transformers", _PROBES[0])
-    L = proj.num_layers
-    return layered._line("weights")(L) + layered._line("state")(L)
-
-
-def _longest_all(proj, gpu_bytes, limit):
-    """({name: longest context that fits}, {name: the variant it is read from, where another})."""
-    out, sources = {}, {}
-    for name in VARIANTS:
-        if name != "ours plan":
-            out[name] = _longest(proj, name, gpu_bytes, limit)
-    out["ours plan"], source = _longest_plan(proj, gpu_bytes, limit, out["ours full"])
-    if source:
-        sources["ours plan"] = source
-    return out, sources
-
-
-def _guess(proj, name, gpu_bytes, limit):
-    """Where the line through the _PROBES steps meets the budget, phase by phase: a first guess."""
-    lo, hi = (_variants(proj, s, names=(name,))[name] for s in _PROBES)
-    budget = gpu_bytes / (1 + ALLOCATOR_SHARE)
-    fixed_lo, fixed_hi = lo.peak - max(lo.phases.values()), hi.peak - max(hi.phases.values())
-    best = limit
-    s0, s1 = _PROBES
-    for phase in lo.phases:
-        a_lo, a_hi = fixed_lo + lo.phases[phase], fixed_hi + hi.phases[phase]
-        slope = (a_hi - a_lo) / (s1 - s0)
-        at_zero = a_lo - slope * s0
-        if at_zero > budget:
-            return 0
-        if slope > 0:
-            best = min(best, int((budget - at_zero) // slope))
-    return best
-
-
-def _longest(proj, name, gpu_bytes, limit):
-    """Longest context per sample whose projected peak (with the allocator's share) fits, 0 if none: the
-    line's guess, then checked against the projection itself, a step at a time outwards and halving back in,
-    until the answer fits and the next context does not (or the answer is `limit`)."""
-    if _variants(proj, _PROBES[0], names=(name,))[name].error is not None:
-        return 0
-
-    def fits(s):
-        return _fits(_variants(proj, s, names=(name,))[name].peak, gpu_bytes)
-
-    return _search(fits, _guess(proj, name, gpu_bytes, limit), limit)
-
-
-def _longest_plan(proj, gpu_bytes, limit, full):
-    """The plan's longest context and the variant it comes from: every layer "full" is a plan, so the plan fits
-    at least as long as "ours full" (`full`); longer where another plan fits there too."""
-    if proj.model.ours_error():
-        return 0, None
-
-    def fits(s):
-        return _plan_variant(proj, s, gpu_bytes).error is None
-
-    if full >= limit or not fits(full + 1):
-        return full, "ours full"
-    return _search(fits, full + 1, limit), None
-
-
-def _search(fits, guess, limit):
-    """The largest context in [1, limit] at which `fits` (true up to some context, false past it) holds, 0 if
-    none: from `guess`, steps doubling outwards until the answer is bracketed, then halving."""
-    guess = min(max(1, guess), limit)
-    step = 1
-    if fits(guess):
-        lo = guess
-        while True:
-            hi = min(limit, lo + step)
-            if hi == lo:
-                return lo
-            if not fits(hi):
-                break
-            lo, step = hi, step * 2
-    else:
-        hi = guess
-        while True:
-            lo = max(0, hi - step)
-            if lo == 0 or fits(lo):
-                break
-            hi, step = lo, step * 2
-    while hi - lo > 1:  # lo fits (or is 0), hi does not
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-__all__ = ["ALLOCATOR_SHARE", "BudgetError", "Fit", "NOT_MODELLED", "VARIANTS", "Variant", "fit", "predict"]

@@ -13,6 +13,7 @@ NAME = 38  # the longest variant name, "transformers + gradient checkpointing", 
 MEMORY_COLUMNS = (("kept per", "layer", 11), ("kept outside", "layers", 14), ("loss head", "transient", 12),
                   ("layer backward", "transient", 16))
 PEAK_COLUMNS = (("allocator", "share", 11), ("", "peak", 12), ("host", "memory", 10))
+TIME_COLUMNS = (("step", "seconds", 10), ("tokens", "per second", 12), ("speed vs", "checkpointing", 15))
 LEGEND = (
     "kept per layer: the activations one decoder layer keeps for backward",
     "kept outside layers: the activations kept outside the decoder layers (embeddings, the first layer's input)",
@@ -21,10 +22,16 @@ LEGEND = (
     "layer backward transient: the most one decoder layer's backward holds above what it reads",
     f"allocator share: {ALLOCATOR_SHARE * 100:.0f} % of the peak for the caching allocator's rounding and "
     "fragmentation",
-    "ours plan: a mode per layer, the least recompute that fits (the fewest \"full\" layers, then the fewest "
-    "\"selective\"); its longest context is the longest any such plan fits",
+    "ours plan: the planner's (selective_ckpt.plan): per layer what is kept, offloaded to pinned host memory and "
+    "rebuilt, and the MLP's tiles, at the least predicted step time that fits the GPU and the host budget; its "
+    "longest context is the longest its leanest policy fits",
     "transformers + gradient checkpointing: transformers' activation checkpointing (Trainer's "
     "activation_checkpointing=True, gradient_checkpointing=True on older transformers)",
+    "transformers + offloaded checkpointing: the same with activation_checkpointing_enable(offload=True): each "
+    "layer's input copied to pinned host memory and back on the compute stream (torch's save_on_cpu)",
+    "step seconds, tokens per second: the time model's prediction (fit.timing: each part's FLOPs and bytes over "
+    "the device's rates, copies hidden under compute up to 90 %); speed vs checkpointing: tokens/s over "
+    "transformers + gradient checkpointing's",
     "ours attention-kept: each layer keeps its input and attention's output and logsumexp and rebuilds the rest "
     "in backward, never attention itself (keeping.policy(\"attention-kept\"))",
     "inputs offloaded: each layer's input is copied to pinned host memory while the next layer computes and back "
@@ -53,14 +60,18 @@ def report(result, wide=False):
     else:
         out += _table(r, rows, MEMORY_COLUMNS, peak=False)
         out += [""] + _table(r, rows, PEAK_COLUMNS, peak=True)
+    if r.rates is not None and any(v.step_seconds for _, v in rows):
+        out += [""] + _wrap([f"predicted time per step at context {r.seq_len}, batch {r.batch} (rates: "
+                             f"{r.rates.device}; {r.rates.source}):"], wide)
+        out += _time_table(r, rows)
     errors = {}
     for name, v in rows:
         if v.error is not None:
             errors.setdefault(v.error, []).append(name)
     out += _wrap([f"{', '.join(names)}: not modelled: {error}" for error, names in errors.items()], wide)
-    for name, source in r.max_context_from.items():
-        out += _wrap([f"{name}'s longest context is {source}'s: every layer \"full\" is a plan, and no other plan "
-                      f"fits a longer one"], wide)
+    if r.plan is not None:
+        out += [""] + _wrap([f"the plan: {r.plan.describe()}" + (f", offload prefetch {r.plan.prefetch}" if
+                                                                 r.plan.host_bytes else "")], wide)
     out += ["", "columns:"] + _wrap([f"- {x}" for x in LEGEND], wide, indent="  ")
     out += ["", "not modelled:"] + _wrap([f"- {x}" for x in r.not_modelled], wide, indent="  ")
     out += [""] + _wrap(recommendation(r), wide)
@@ -70,8 +81,8 @@ def report(result, wide=False):
 def _why_context(r):
     if r.seq_len_asked != "max":
         return ""
-    if r.max_context.get("ours selective"):
-        return " (--seq-len max: the longest \"ours selective\" fits)"
+    if r.max_context.get("ours plan"):
+        return " (--seq-len max: the longest the plan fits)"
     return " (--seq-len max: the longest any variant fits)" if any(r.max_context.values()) else \
         " (--seq-len max: no variant fits a single token)"
 
@@ -94,8 +105,21 @@ def _table(r, rows, columns, peak):
         if peak:
             line += f"  {'yes ' if r.fits(name) else 'no  '}  {r.max_context.get(name, '-')}"
         lines.append(line)
-        if v.modes and peak:
-            lines.append(f"  {'':<4}plan: {_plan_text(v.modes)}")
+    return lines
+
+
+def _time_table(r, rows):
+    base = r.variants.get("transformers + gradient checkpointing")
+    base = base.tokens_per_second if base is not None and base.error is None else None
+    head1 = f"  {'':<{NAME}}" + "".join(f"{a:>{w}}" for a, _, w in TIME_COLUMNS)
+    head2 = f"  {'variant':<{NAME}}" + "".join(f"{b:>{w}}" for _, b, w in TIME_COLUMNS) + "  fits"
+    lines = [head1.rstrip(), head2]
+    for name, v in rows:
+        if v.error is not None or v.step_seconds is None:
+            continue
+        speed = f"{v.tokens_per_second / base:.2f}x" if base else "-"
+        lines.append(f"  {name:<{NAME}}{v.step_seconds:>10.3f}{v.tokens_per_second:>12,.0f}{speed:>15}  "
+                     f"{'yes' if r.fits(name) else 'no'}")
     return lines
 
 
@@ -114,6 +138,10 @@ def _plan_text(modes):
     return ", ".join(f"{n} x {m}" for m, n in _counts(modes))
 
 
+def _gib_text(n):
+    return f"{n / 2 ** 30:.1f}GiB"
+
+
 def recommendation(r):
     """Lines: the variant with the least recompute that fits at the report's context, and the calls that apply
     it (convert / set_recompute, the Trainer flags it implies); or, where none fits, the way out."""
@@ -121,17 +149,17 @@ def recommendation(r):
     plan = r.variants.get("ours plan")
     peft = "  # before or after get_peft_model" if r.form.kind != "full" else ""
     if plan is not None and plan.error is None and r.fits("ours plan"):
-        counts = _counts(plan.modes)
-        if len(counts) == 1:
-            lines = [f"recommendation {at}: ours, every layer \"{counts[0][0]}\" (peak {_with_share(plan.peak)} of "
-                     f"{format_bytes(r.gpu_bytes)})",
-                     f"  model = selective_ckpt.convert(model, recompute=\"{counts[0][0]}\"){peft}"]
-        else:
-            lines = [f"recommendation {at}: ours plan, {_plan_text(plan.modes)} (peak {_with_share(plan.peak)} of "
-                     f"{format_bytes(r.gpu_bytes)})",
-                     f"  model = selective_ckpt.convert(model){peft}",
-                     "  selective_ckpt.set_recompute(model, " + " + ".join(f"[\"{m}\"] * {n}" for m, n in counts)
-                     + ")"]
+        p = r.plan
+        autocast = "" if r.form.autocast is None else f", autocast=torch.{str(r.form.autocast).split('.')[-1]}"
+        host = "" if r.host_bytes is None else f", host=\"{_gib_text(r.host_bytes)}\""
+        lines = [f"recommendation {at}: ours plan, {p.describe()} (peak {_with_share(plan.peak)} of "
+                 f"{format_bytes(r.gpu_bytes)}" + (f", {format_bytes(plan.host)} pinned host memory" if plan.host
+                                                   else "") + f"; {plan.tokens_per_second:,.0f} tokens/s predicted)",
+                 f"  model = selective_ckpt.convert(model){peft}",
+                 f"  plan = selective_ckpt.plan(model, gpu=\"{_gib_text(r.gpu_bytes)}\"{host}, batch={r.batch}, "
+                 f"seq_len={r.seq_len}{autocast})",
+                 "  selective_ckpt.set_recompute(model, plan)  # print(plan): what each layer keeps, offloads, "
+                 "rebuilds"]
         if r.form.kind == "qlora":  # peft's default turns transformers' checkpointing on
             lines.insert(1, "  model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)")
         return lines + [f"  Trainer or TRL's SFTConfig: activation_checkpointing=False{_precision(r.form)}",

@@ -43,7 +43,7 @@ def _supported():
     return f"Hugging Face model types {', '.join(sorted(model_specs()))} and EagerDecoderLayer-shaped modules"
 
 
-def convert(model, recompute="selective"):
+def convert(model, recompute="selective", plan=None):
     """Makes `model` compute with selective_ckpt's kernels and recompute; returns the model.
 
     Hugging Face models (also inside a PEFT wrapper) keep every module, parameter and state-dict
@@ -53,8 +53,19 @@ def convert(model, recompute="selective"):
     SelectiveDecoderLayers (the returned model is the new layer when `model` itself is one).
     Raises ConversionError naming the module, the model type and what is supported, before any change.
     Layers under transformers' gradient checkpointing before convert stay "full" (models/converted_layer.py).
-    `recompute` is a mode or a keeping.LayerPolicy (what a layer keeps, offloads and rebuilds).
+    `recompute` is a mode or a keeping.LayerPolicy (what a layer keeps, offloads and rebuilds). `plan`: a
+    selective_ckpt.plan(...) result (a policy per decoder layer, and the offload engine's prefetch), applied with
+    set_recompute after the conversion instead of `recompute`.
     """
+    if plan is not None:
+        if recompute != "selective":
+            raise ValueError("pass either recompute or plan, not both")
+        if not isinstance(plan, (list, tuple)):
+            raise TypeError(f"plan must be a selective_ckpt.plan(...) result or a list of policies, got "
+                            f"{type(plan).__name__}")
+        model = convert(model)
+        set_recompute(model, plan)
+        return model
     layer_policy = resolve(recompute, "recompute")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
