@@ -7,7 +7,8 @@ otherwise, so not bit for bit), on SelectiveDecoderLayer stacks and converted Hu
 offloaded too. Seed-drawn LoRA dropout inside a tile (a seed per tile and site, so masks depend on the tile count)
 gives the gradients of the masks the forward applied (checked against the same tiles without their checkpoints),
 and a rebuild that draws afresh is caught; QLoRA; packed documents across tile boundaries; the tile count on the
-MLP module through copies and pickles; mixtures of experts refused; and a tiled layer's peak below the untiled
+MLP module through copies and pickles; an MLP forward that does not tile refused (mixtures of experts tile:
+tests/models/test_moe_tiles.py); and a tiled layer's peak below the untiled
 one's by the tiles' share of the MLP's intermediate.
 """
 
@@ -375,26 +376,25 @@ def test_packed_documents_across_tile_boundaries(tile_calls):
 
 # --- refusals
 
-def test_mixtures_of_experts_and_untiled_forwards_are_refused():
+def test_untiled_forwards_are_refused():
+    """An MLP whose forward does not run in tiles (Starcoder2's); mixtures of experts tile (tests/models/
+    test_moe_tiles.py)."""
     from tests.models.families import by_name
 
     torch.manual_seed(0)
-    moe = convert(by_name("mixtral").build()().train())
-    with pytest.raises(ValueError, match=r"model.layers.0: .*mlp_tiles=2.*mixture of experts.*not run in tiles"):
-        set_recompute(moe, keeping.policy("full", mlp_tiles=2))
-    assert all(layer._selective_ckpt.policy == "selective" for layer in _decoder_layers(moe))  # nothing changed
-    set_recompute(moe, keeping.policy("full", mlp_tiles=1))
-    plain = by_name("mixtral").build()().train()
-    with pytest.raises(ValueError, match="mixture of experts"):
+    model = convert(by_name("starcoder2").build()().train())
+    with pytest.raises(ValueError, match=r"Starcoder2MLP\) has a forward that does not run in tiles"):
+        set_recompute(model, keeping.policy("attention-kept", mlp_tiles=2))
+    assert all(layer._selective_ckpt.policy == "selective" for layer in _decoder_layers(model))  # nothing changed
+    set_recompute(model, keeping.policy("full", mlp_tiles=1))
+    mixed = [keeping.policy("full", mlp_tiles=1), keeping.policy("full", mlp_tiles=2)]
+    with pytest.raises(ValueError, match="does not run in tiles"):
+        set_recompute(model, mixed)
+    assert all(layer._selective_ckpt.policy == "full" for layer in _decoder_layers(model))  # no layer changed
+    plain = by_name("starcoder2").build()().train()
+    with pytest.raises(ValueError, match="does not run in tiles"):
         convert(plain, recompute=keeping.policy("attention-kept", mlp_tiles=4))
     assert not any(hasattr(m, "_selective_ckpt") for m in plain.modules())  # refused before anything changed
-    mixed = [keeping.policy("full", mlp_tiles=1), keeping.policy("full", mlp_tiles=2)]
-    with pytest.raises(ValueError, match="mixture of experts"):
-        set_recompute(moe, mixed)
-    assert all(layer._selective_ckpt.policy == "full" for layer in _decoder_layers(moe))  # no layer changed
-    starcoder2 = convert(by_name("starcoder2").build()().train())
-    with pytest.raises(ValueError, match=r"Starcoder2MLP\) has a forward that does not run in tiles"):
-        set_recompute(starcoder2, keeping.policy("attention-kept", mlp_tiles=2))
 
 
 # --- the transient: one tile's intermediate at a time
