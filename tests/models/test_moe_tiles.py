@@ -85,7 +85,9 @@ def _policy(mode, tiles):
     return keeping.policy(mode, mlp_tiles=tiles)
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=str)
+# the fast tier runs Qwen3-MoE; the others (each 7-20 s on 2 cores) are slow
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f.name == "qwen3_moe" else pytest.mark.slow, id=f.name)
+                                    for f in FAMILIES])
 def test_tiled_moe_matches_untiled_and_the_reference(family, tile_calls):
     ref, plain, ours = triple(family.build(**AUX))
     ids, mask = batch(b=2, s=S)  # row 1 left-padded: the load-balancing loss reads the mask per token
@@ -155,14 +157,15 @@ def _shared_expert_lora_grads_differ(a, b):
     return any(not torch.equal(u, v) for (name, u), (_, v) in zip(a, b) if ".shared_expert" in name and "lora_" in name)
 
 
-def test_lora_dropout_on_the_shared_expert_is_the_forwards_mask(monkeypatch):
+@pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["attention-kept", "both"])
+def test_lora_dropout_on_the_shared_expert_is_the_forwards_mask(monkeypatch, slow):
     """Qwen2-MoE with LoRA (dropout 0.1) on every Linear, the shared expert's and its gate's inside the tiles:
     the tiled step equals the same tiles without their checkpoints (backward differentiates the forward's own
     masks) bit for bit, and tile checkpoints whose rebuild draws the seeds afresh give other gradients."""
     model = _lora("qwen2_moe", "all-linear", 0.1)[-1]
     assert any(".shared_expert." in n and "lora_" in n for n, _ in model.named_parameters())
     ids, mask = batch(b=2, s=S)
-    for mode in ("full", "attention-kept"):
+    for mode in ("attention-kept",) + (("full",) if slow else ()):
         set_recompute(model, _policy(mode, 3))
         tiled = _step(model, ids, mask)
         with monkeypatch.context() as m:
@@ -177,6 +180,7 @@ def test_lora_dropout_on_the_shared_expert_is_the_forwards_mask(monkeypatch):
         assert _shared_expert_lora_grads_differ(redrawn, exact)  # ... but backward differentiated other masks
 
 
+@pytest.mark.slow
 def test_lora_without_dropout_on_the_shared_expert_follows_the_reference():
     ref, plain, model = _lora("qwen2_moe", "all-linear", 0.0)
     ids, mask = batch(b=2, s=S)
@@ -188,6 +192,7 @@ def test_lora_without_dropout_on_the_shared_expert_follows_the_reference():
         _check(_step(model, ids, mask), untiled, plain, ref64)
 
 
+@pytest.mark.slow
 def test_lora_dropout_on_mixtral_attention_tiled_follows_untiled():
     """Mixtral (PEFT adapts its attention, not its experts' 3-D parameters) with attention LoRA dropout 0.1: the
     tiles draw nothing, so the attention's masks and the whole step follow the untiled one."""
@@ -202,7 +207,7 @@ def test_lora_dropout_on_mixtral_attention_tiled_follows_untiled():
 
 # --- what a layer keeps, and what the fit's walk sees
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
 def test_kept_bytes_per_layer_are_the_untiled_policys(family):
     """Bytes a layer keeps past its forward (3 layers minus 1, halved) under attention-kept: with 4 tiles as without,
     the estimate's, plus the copy of the CPU generator's state that each checkpoint preserving the RNG state keeps
