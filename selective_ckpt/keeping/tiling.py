@@ -16,6 +16,10 @@ rebuild that draws afresh would differentiate another mask than the forward appl
 gradients). The seeds are a tile's own, so with such a dropout the masks (not their distribution) depend on the
 tile count; a dropout that must not depend on it runs on the concatenated output, outside `fn`.
 
+Each tile's checkpoint keeps, with the graph until backward, a copy of the CPU generator's state (5056 bytes; host
+memory on a GPU, as the layer's own checkpoint keeps one): n tiles keep n of them per layer, which memory.estimate
+does not count. A mixture-of-experts block (models/moe.py) runs router and experts per tile.
+
 Used where the policy rebuilds the MLP anyway (keeping.policy: mlp_tiles under "full" and "attention-kept"), so
 the tiles' checkpoints nest inside the layer's: the layer's rebuild in backward runs the tiles' forwards again
 to save each tile's input, and each tile is rebuilt once more when backward reaches it.

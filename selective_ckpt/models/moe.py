@@ -28,7 +28,14 @@ Qwen2-MoE's own block) run, whichever implementation the config names. Any other
 parallelism, biased, transposed, interleaved or non-gated expert layouts are refused by name.
 
 The router (transformers' own module and forward) is left as it is, so its logits, top-k and the
-auxiliary load-balancing loss are transformers'. Qwen2-MoE's shared expert (a gated MLP) and its
+auxiliary load-balancing loss are transformers'. Where the layer's policy runs the MLP in sequence tiles
+(keeping.policy(..., mlp_tiles=n) under "full" and "attention-kept"), the block runs router and experts tile by
+tile, each tile under its own checkpoint (keeping.tiling), so a layer's forward and its rebuild hold one tile's
+routed rows ([tokens/n * top_k, 2I]) instead of all of them; routing is per token, so each token's output is
+computed from its own row, exact up to the rounding of matmuls over fewer rows. The router is then called once per
+tile: the logits transformers collects for the auxiliary loss (output_router_logits) are concatenated back into
+the layer's one [B*S, E] tensor in its (batch, token) order, so the loss, its padding mask and
+`router_logits` read as untiled (up to that rounding); a hook on the router sees one call per tile. Qwen2-MoE's shared expert (a gated MLP) and its
 sigmoid gate: y = down(sigmoid(g(x)) * act(gate) * up), the gate folded into the down projection's
 input (rebuilt, like the product) instead of scaling the down output, which would keep t*h elements.
 """
