@@ -133,6 +133,22 @@ def test_no_grad_runs_transformers_own_block(tile_calls):
     assert not tile_calls and [t.shape for t in out.router_logits] == [(S, 4)] * 2
 
 
+def test_copies_and_pickles_tile_as_their_original(tile_calls):
+    """The blocks' patched forwards (Mixtral's and Qwen3-MoE's too, whose untiled forward is transformers') and the
+    tile count survive deepcopy and pickle."""
+    import pickle
+
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        model = convert(family.build()().train())
+        set_recompute(model, _policy("attention-kept", 3))
+        ids, _ = batch(b=1, s=S)
+        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            tile_calls.clear()
+            clone(input_ids=ids).logits.sum().backward()
+            assert tile_calls == tiling.tile_sizes(S, 3) * 4, family.name
+
+
 # --- LoRA with dropout
 
 def _lora(family, targets, dropout):
