@@ -2,8 +2,9 @@
 # One-shot GPU check for a lent machine (one H200; budget: 10 minutes a command).
 #
 #   bash bench/gpu.sh            # install check, then the open issues' steps: Llama-3.1-8B's step under each
-#                                # layer policy (keep / offload / rebuild) at 8K-32K with the host link's rate,
-#                                # and attention-kept against full recompute at 32K and 64K
+#                                # layer policy (keep / offload / rebuild) at 16K-32K with the host link's rate,
+#                                # attention-kept against full recompute at 64K, and the planner's plan for an
+#                                # 80 GB card against transformers' checkpointing at 16K-64K, predicted vs measured
 #   bash bench/gpu.sh --earlier  # the earlier steps instead: CUDA tests (parallel), Llama-3.1-8B's whole step
 #                                # against the fit model, the main job at the 7B shape, per-kernel attention
 #                                # sweep vs SDPA (FLASH and cuDNN pinned), 7B layer with dropout
@@ -11,7 +12,7 @@
 #
 # Writes under $OUT when set (else bench/out/): summary.txt, steps.log (install + tests),
 # attention_gpu.log, attention/{attention_gpu.csv, layer_7b.csv}, fit_check.{log,json}, main.log and
-# main/{results.csv, PNGs}, offload.{log,json}, long_context.{log,json}. A selective_ckpt/_C built for the
+# main/{results.csv, PNGs}, offload.{log,json}, long_context.{log,json}, plan.{log,json}. A selective_ckpt/_C built for the
 # machine's Python beforehand is used as it is.
 # The short table is printed last.
 # Environment: PYTHON (default python3), STEP_TIMEOUT_SCALE (multiplies each step's time limit).
@@ -146,20 +147,26 @@ step install 90 "$DEST/steps.log" install_package
 
 OFFLOAD_ARGS=(Llama-3.1-8B --device cuda --form lora --rank 16 --autocast bfloat16 --timed 1)
 if [ "$EARLIER" = 0 ]; then
-  # Limits sum to 540 s. Each row builds the 8B model and runs 3 steps (build ~8 s, a 32K step ~3-6 s on an H200).
+  # Limits sum to 570 s with environment and install. Each row builds the 8B model and runs 3 steps (build ~8 s, a
+  # 32K step ~3-6 s on an H200).
   # Long context, 1 of 3: what each policy holds on the GPU and in host memory, and what offloading costs in time.
-  step offload 260 "$DEST/offload.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
-    --seq-len 8192,16384,32768 --json "$DEST/offload.json" \
-    --policies "selective;selective, offload mlp;selective, offload all;full;full, offload input"
+  step offload 140 "$DEST/offload.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
+    --seq-len 16384,32768 --json "$DEST/offload.json" \
+    --policies "selective;selective, offload mlp;full, offload input"
   # Long context, 2 of 3: attention kept (never recomputed) against whole-layer recompute.
-  step long-context 170 "$DEST/long_context.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
-    --seq-len 32768,65536 --json "$DEST/long_context.json" \
-    --policies "attention-kept;full;attention-kept, offload input;full, offload input"
+  step long-context 70 "$DEST/long_context.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
+    --seq-len 65536 --json "$DEST/long_context.json" --policies "attention-kept;full"
+  # Long context, 3 of 3: the planner's plan for an 80 GB card (emulated) and 256 GB of pinned host memory against
+  # transformers' checkpointing (and its offload) and whole-layer recompute with offloaded inputs, each row's
+  # predicted peak and step time (the shipped H200 rates) beside the measured.
+  step plan 250 "$DEST/plan.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
+    --seq-len 16384,32768,65536 --gpu 80GiB --host 256GB --rates H200 --predict --json "$DEST/plan.json" \
+    --policies "plan;transformers + gradient checkpointing;transformers + offloaded checkpointing;full, offload input"
   [ "$DRY" = 1 ] && exit "$FAILED"
   echo
   echo "== steps (logs in $DEST)"
   cat "$SUMMARY"
-  grep -hE '^(\||host link)' "$DEST/offload.log" "$DEST/long_context.log" 2>/dev/null
+  grep -hE '^(\||host link|plan at|rates)' "$DEST/offload.log" "$DEST/long_context.log" "$DEST/plan.log" 2>/dev/null
   exit "$FAILED"
 fi
 

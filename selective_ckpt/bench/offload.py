@@ -2,7 +2,16 @@
 
     python -m selective_ckpt.bench.offload Llama-3.1-8B --device cuda --seq-len 8192,16384,32768 --form lora \\
         --rank 16 --autocast bfloat16            # bench/gpu.sh's offload step
+    python -m selective_ckpt.bench.offload Llama-3.1-8B --device cuda --gpu 80GiB --host 256GB --seq-len 16K,32K \\
+        --policies "plan;transformers + gradient checkpointing;transformers + offloaded checkpointing;full, offload \\
+        input" --predict ...                     # the planner against what it predicts (bench/gpu.sh's plan step)
     python -m selective_ckpt.bench.offload Llama-3.1-8B --layers 2 --hidden 128 --seq-len 64   # CPU, small
+
+"plan" is selective_ckpt.plan's for --gpu and --host at each context (with the rates of --rates, else the
+device's probed ones); the transformers rows run the unconverted model under its activation checkpointing (with
+offload=True for the offloaded one). --gpu on CUDA also caps the process at that much memory
+(torch.cuda.set_per_process_memory_fraction), so an 80 GB card is emulated on a larger one. --predict adds the
+fit's predicted peak and step time of each row (its variant, or the plan's own) and their ratios to the measured.
 
 The model is built at the config's size with random weights (--layers and --hidden shrink it), converted with
 each policy, and run as Trainer runs it (a first step for AdamW's state, a measured one, then --timed more).
@@ -33,6 +42,15 @@ POLICIES = {
     "attention-kept, offload input": policy("attention-kept", offload=["input"]),
 }
 _GIB = 2 ** 30
+# rows that are no policy of ours: the planner's plan, and transformers' own checkpointing
+PLAN = "plan"
+TRANSFORMERS = ("transformers + gradient checkpointing", "transformers + offloaded checkpointing")
+# the fit variant whose prediction a policy row is compared with
+_FIT_VARIANTS = {"selective": "ours selective", "full": "ours full",
+                 "full, offload input": "ours full, inputs offloaded",
+                 "attention-kept": "ours attention-kept",
+                 "attention-kept, offload input": "ours attention-kept, inputs offloaded",
+                 **{t: t for t in TRANSFORMERS}}
 
 
 def link_rates(device, nbytes=_GIB):
@@ -63,9 +81,16 @@ def measure(config, form, name, device, batch, seq_len, timed=1):
     from ..registry import recomputable_layers, state_of
     from .fit_check import build
 
-    model = convert(build(config, form, "transformers", device), recompute="selective")
-    set_recompute(model, POLICIES[name])
-    engine = state_of(recomputable_layers(model)[0]).engine
+    if name in TRANSFORMERS:
+        model = build(config, form, "transformers", device)
+        root = model.get_base_model() if hasattr(model, "get_base_model") else model
+        root.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                             offload="offloaded" in name)
+        engine = None
+    else:
+        model = convert(build(config, form, "transformers", device), recompute="selective")
+        set_recompute(model, POLICIES[name] if isinstance(name, str) else name)
+        engine = state_of(recomputable_layers(model)[0]).engine
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     ids = torch.randint(1, config.vocab_size, (batch, seq_len), device=device,
@@ -127,6 +152,12 @@ def build_parser():
     p.add_argument("--policies", default=list(POLICIES), help=f"';'-separated, from: {'; '.join(POLICIES)}",
                    type=lambda s: [v.strip() for v in s.split(";") if v.strip()])
     p.add_argument("--timed", type=int, default=1, help="steps timed after the measured one")
+    p.add_argument("--gpu", default=None, help="GPU memory the plan is made for (80GiB, H100-80GB); on CUDA the "
+                                                "process is capped at it")
+    p.add_argument("--host", default="256GB", help="pinned host memory the plan may use (default: %(default)s)")
+    p.add_argument("--rates", default=None, help="the card whose rates the plan and predictions use (default: the "
+                                                  "device's, probed)")
+    p.add_argument("--predict", action="store_true", help="add the fit's predicted peak and step time per row")
     p.add_argument("--json", default=None, help="write the rows to this file as well")
     add_form_arguments(p)
     return p
@@ -142,12 +173,18 @@ def main(argv=None):
         raise SystemExit("--device cuda: no CUDA device here")
     try:
         form = form_from_arguments(args)
-        lengths = [int(s) for s in args.seq_len.split(",") if s.strip()]
+        from ..fit.__main__ import parse_seq_len
+
+        lengths = [parse_seq_len(s) for s in args.seq_len.split(",") if s.strip()]
     except (ValueError, TypeError) as err:
         raise SystemExit(f"error: {err}") from None
     for name in args.policies:
-        if name not in POLICIES:
-            raise SystemExit(f"--policies: {name!r} is not one of {'; '.join(POLICIES)}")
+        if name not in POLICIES and name != PLAN and name not in TRANSFORMERS:
+            raise SystemExit(f"--policies: {name!r} is not one of {'; '.join((*POLICIES, PLAN, *TRANSFORMERS))}")
+    if PLAN in args.policies and args.gpu is None:
+        raise SystemExit("--policies plan needs --gpu (the memory the plan is made for)")
+    if form.kind == "qlora" and (PLAN in args.policies or args.predict):
+        raise SystemExit("--form qlora: the bench builds random-weight models and cannot quantize them")
     config = _config(args.config, args.layers, args.hidden)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{args.config}: {config.num_hidden_layers} layers, hidden {config.hidden_size}; {form}; batch "
@@ -155,14 +192,44 @@ def main(argv=None):
     d2h, h2d = link_rates(device)
     if d2h:
         print(f"host link, pinned: D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s", flush=True)
+    gpu = host = rates = None
+    if args.gpu is not None or args.predict:
+        from ..fit import probe, rates_for
+        from ..fit.cards import parse_bytes
+
+        gpu = parse_bytes(args.gpu) if args.gpu else None
+        host = parse_bytes(args.host, "--host")
+        rates = rates_for(args.rates) if args.rates else probe(device)
+        print(f"rates: {rates.device} ({rates.source})", flush=True)
+        if gpu is not None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu / total), device)
+            print(f"GPU capped at {gpu / _GIB:.2f} GiB of {total / _GIB:.2f}", flush=True)
     rows = []
-    print("| tokens | policy | peak GiB | host GiB | copied out GiB | step s | vs selective | loss |")
-    print("|---|---|---|---|---|---|---|---|")
+    extra = " predicted peak GiB | peak pred/meas | predicted step s | step pred/meas |" if args.predict else ""
+    print("| tokens | policy | peak GiB | host GiB | copied out GiB | step s | vs selective | tokens/s | loss |" +
+          extra)
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * (4 if args.predict else 0))
     for seq_len in lengths:
         base = None
         for name in args.policies:
+            predicted = None
             try:
-                got = measure(config, form, name, device, args.batch, seq_len, args.timed)
+                run_as = name
+                if name == PLAN:
+                    from .. import plan as make_plan
+
+                    planned = make_plan(config, gpu=gpu, host=host, batch=args.batch, seq_len=seq_len, form=form,
+                                        rates=rates)
+                    print(f"plan at {seq_len}: {planned.describe()}", flush=True)
+                    run_as, predicted = planned, (planned.peak, planned.step_seconds)
+                elif args.predict and name in _FIT_VARIANTS:
+                    from ..fit import predict
+
+                    v = predict(config, args.batch, seq_len, form, names=(_FIT_VARIANTS[name],),
+                                rates=rates)[_FIT_VARIANTS[name]]
+                    predicted = (v.peak, v.step_seconds)
+                got = measure(config, form, run_as, device, args.batch, seq_len, args.timed)
             except Exception as err:  # one row's failure (out of memory, say) leaves the others
                 print(f"| {seq_len} | {name} | failed: {type(err).__name__}: {str(err)[:200]} |", flush=True)
                 rows.append({"seq_len": seq_len, "policy": name, "error": f"{type(err).__name__}: {err}"})
@@ -173,9 +240,18 @@ def main(argv=None):
                 base = got["step_s"]
             ratio = f"{got['step_s'] / base:.3f}" if base and got["step_s"] else "-"
             step = "-" if got["step_s"] is None else f"{got['step_s']:.3f}"
-            print(f"| {seq_len} | {name} | {_gib(got['peak'])} | {_gib(got['host_peak'])} | {_gib(got['d2h'])} | "
-                  f"{step} | {ratio} | {got['loss']:.4f} |", flush=True)
-            rows.append({"seq_len": seq_len, "policy": name, **got})
+            speed = "-" if not got["step_s"] else f"{args.batch * seq_len / got['step_s']:,.0f}"
+            line = (f"| {seq_len} | {name} | {_gib(got['peak'])} | {_gib(got['host_peak'])} | {_gib(got['d2h'])} | "
+                    f"{step} | {ratio} | {speed} | {got['loss']:.4f} |")
+            if args.predict:
+                if predicted is None:
+                    line += " - | - | - | - |"
+                else:
+                    got["predicted_peak"], got["predicted_step_s"] = predicted
+                    line += (f" {_gib(predicted[0])} | {predicted[0] / got['peak']:.3f} | {predicted[1]:.3f} | " +
+                             (f"{predicted[1] / got['step_s']:.3f} |" if got["step_s"] else "- |"))
+            print(line, flush=True)
+            rows.append({"seq_len": seq_len, "policy": name if isinstance(name, str) else str(name), **got})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "device": where, "batch": args.batch, "form": str(form),

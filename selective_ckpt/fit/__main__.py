@@ -139,6 +139,9 @@ def build_parser():
     p.add_argument("--seq-len", default="max", type=_argument(parse_seq_len),
                    help="tokens per sample: a number (8192), K = 1024 tokens (8k, 128K), or max: the longest context "
                         "the plan fits (default: %(default)s)")
+    p.add_argument("--context-limit", default=None, type=_argument(parse_seq_len),
+                   help="the longest context --seq-len max tries (8k, 1M; default: the config's "
+                        "max_position_embeddings; RoPE scaling trains past it)")
     p.add_argument("--host", default=None, type=_argument(lambda text: (text, parse_bytes(text, "--host"))),
                    help="pinned host memory for offloaded activations: a size (256GB, 128GiB) (default: half of "
                         "this machine's memory)")
@@ -156,7 +159,9 @@ def main(argv=None):
     try:
         host = a.host[1] if a.host is not None else default_host_bytes()
         rates = a.rates or (a.gpu[0] if is_card(a.gpu[0]) else None)
-        result = fit(a.config, a.gpu[1], a.batch, a.seq_len, form_from_arguments(a), host_bytes=host, rates=rates)
+        limit = a.context_limit if a.context_limit != "max" else None
+        result = fit(a.config, a.gpu[1], a.batch, a.seq_len, form_from_arguments(a), host_bytes=host, rates=rates,
+                     context_limit=limit)
     except MissingExtra as err:
         print(f"{p.prog}: error: {err}", file=sys.stderr)
         return 1

@@ -174,7 +174,7 @@ def _model(config, form):
     return _CACHE[key]
 
 
-def fit(config, gpu_bytes, batch=1, seq_len="max", form=None, host_bytes=None, rates=None):
+def fit(config, gpu_bytes, batch=1, seq_len="max", form=None, host_bytes=None, rates=None, context_limit=None):
     """Projects one training step's peak memory for `config` (load_config's input) on a GPU of
     `gpu_bytes`, per variant (VARIANTS), its predicted step time, and the longest context per sample that fits
     each; "ours plan" is the planner's (fit.plan): per layer what is kept, offloaded and rebuilt, at the least
@@ -183,7 +183,8 @@ def fit(config, gpu_bytes, batch=1, seq_len="max", form=None, host_bytes=None, r
     `seq_len`: tokens per sample, or "max" (the report is then at the longest context the plan fits, else
     the longest any variant fits). `form`: a TrainingForm (default: full fine-tune, AdamW, float32).
     `host_bytes`: pinned host memory the offloading variants may use (None: no limit). `rates`: the device's
-    rates for the time model (a card name of fit.rates.RATES, a Rates; None: the H200's).
+    rates for the time model (a card name of fit.rates.RATES, a Rates; None: the H200's). `context_limit`: the
+    longest context the search tries (None: the config's max_position_embeddings; RoPE scaling trains past it).
 
     The longest contexts fit by construction: each is the largest context at which the projection (the
     simulated steps where there is one, else the line through the nearest simulated contexts; Fit.at) fits,
@@ -211,7 +212,8 @@ def fit(config, gpu_bytes, batch=1, seq_len="max", form=None, host_bytes=None, r
     fixed = _fixed(proj)
     if fixed >= gpu_bytes:
         raise BudgetError(gpu_bytes, fixed, form)
-    limit = getattr(config, "max_position_embeddings", None) or 1 << 20
+    limit = context_limit or getattr(config, "max_position_embeddings", None) or 1 << 20
+    check_positive_int(limit, "context_limit")
     if seq_len != "max":
         proj.simulate(seq_len)
     budgets = (gpu_bytes, host_bytes)
