@@ -46,20 +46,37 @@ class ConvertedLayerState:
         self.recompute = mode
         self._shape_of = shape_of
         self.seen = None  # weak references to the layer's modules when make_current last looked (None: never)
+        self.patched = ()  # weak references to the patched modules among them, whose forwards make_current checks
         self.warned = False  # the warning about modules selective_ckpt does not know was given
         self.modes = None  # the model's ModeAnnouncement, shared by its layers
+        # keeping.pipeline.scope's memo: which kinds of call show every dtype cast in the autograd graph. The
+        # layer's modules and its parameters' dtypes and requires_grad decide it: cleared when they change
+        self.cast_memo = {}
+        self.cast_key = None  # the parameters' (dtype, requires_grad) the memo was learned under
 
-    def watch_casts(self):
+    def watch_casts(self, params=None):
         """Whether the layer's forward casts between dtypes (autocast, or floating parameters of several
         dtypes: fp32 adapters or norms beside a 16-bit base), so casts of dropped outputs are watched and
         rebuilt too (keeping.pipeline). A quantized base's integer weights do not count: its matmul keeps
         nothing of its input (4-bit), or convert drops what it keeps (8-bit), and watching costs a Python
         dispatch per op (6 of the 14 ms of CPU time a small QLoRA step added). Its bias does: bitsandbytes
-        casts it to the compute dtype in place at the first forward."""
+        casts it to the compute dtype in place at the first forward. `params`: the layer's parameters when
+        the caller has just listed them."""
         if pipeline.autocast_on():
             return True
-        dtypes = {p.dtype for p in self.layer.parameters() if p.is_floating_point()}
+        if params is None:
+            params = _parameters_of(_modules_of(self.layer))
+        dtypes = {p.dtype for p in params if p.is_floating_point()}
         return len(dtypes) > 1
+
+    def memo_for(self, params):
+        """The cast memo (keeping.pipeline.scope) for the layer's parameters as they are now: a new one when a
+        parameter's dtype or requires_grad changed since the memo was learned (a cast of a frozen parameter has
+        no graph node; freezing or unfreezing changes which casts the graph shows)."""
+        key = [(p.dtype, p.requires_grad) for p in params]
+        if key != self.cast_key:
+            self.cast_memo, self.cast_key = {}, key
+        return self.cast_memo
 
     def shape(self):
         """The layer's LayerShape fields (memory.planner), its parameters' dtype included."""
@@ -130,12 +147,13 @@ class ConvertedLayerState:
         was replaced (`kernels.kernelize` called on the model after convert): puts the patched forwards back
         (warned), patches the LoRA dropouts and 8-bit Linears that are new (models/peft.py), and warns once
         about modules selective_ckpt does not know. Modules are compared by identity, so an adapter deleted
-        and another of the same size added is seen too; held weakly, so a deleted adapter is freed."""
-        modules = list(self.layer.modules())
+        and another of the same size added is seen too; held weakly, so a deleted adapter is freed. A change of
+        modules clears the cast memo. Returns the layer's modules."""
+        modules = _modules_of(self.layer)
         seen = self.seen
-        if seen is not None and len(seen) == len(modules) and all(
-                ref() is m and not replaced(m) for ref, m in zip(seen, modules)):
-            return
+        if seen is not None and list(map(weakref.ref, modules)) == seen and not any(
+                m is None or replaced(m) for m in (ref() for ref in self.patched)):
+            return modules
         restored = restore_patches(self.layer)
         if restored:
             warnings.warn(f"selective_ckpt: {self.name}: the forwards of {', '.join(restored)} were replaced after "
@@ -149,19 +167,41 @@ class ConvertedLayerState:
                           "they save for backward is kept as they save it (their inputs may not be rebuilt)",
                           stacklevel=3)
             self.warned = True
+        self.cast_memo, self.cast_key = {}, None
+        # weak references compare equal while both referents live and are the same object; a dead one only to
+        # itself (weakref.ref hands back the one plain reference an object has, so the next call's list matches)
         self.seen = [weakref.ref(m) for m in modules]
+        self.patched = tuple(weakref.ref(m) for m in modules if PATCH in m.__dict__)
+        return modules
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["engine"] = None  # streams and pinned host memory belong to a process: set_recompute makes anew
-        state["seen"] = None  # weak references do not travel: the copy looks again at its first call
+        state["seen"], state["patched"] = None, ()  # weak references do not travel: the copy looks again at its first call
+        state["cast_memo"], state["cast_key"] = {}, None
         return state
 
     def __setstate__(self, state):
         """A loaded (or copied) layer: the model's config names our attention function, which a fresh process
         has not registered yet."""
-        self.__dict__.update(state)
+        self.__dict__.update({"patched": (), "cast_memo": {}, "cast_key": None, **state})
         attention.register()
+
+
+def _modules_of(layer):
+    """The layer's modules, the layer first, breadth first (a module held twice is listed twice): a walk cheap
+    enough for every training call (`modules()` names each module on the way)."""
+    out, i = [layer], 0
+    while i < len(out):
+        m = out[i]
+        if m is not None:
+            out.extend(m._modules.values())
+        i += 1
+    return [m for m in out if m is not None] if None in out else out
+
+
+def _parameters_of(modules):
+    return [p for m in modules for p in m._parameters.values() if p is not None]
 
 
 @contextlib.contextmanager
@@ -199,8 +239,9 @@ def _decoder_layer_forward(self, *args, **kwargs):
     policy = state.policy
     mode = policy.recompute
     grad = torch.is_grad_enabled()
+    modules = None
     if grad and self.training:
-        state.make_current()
+        modules = state.make_current()
         if state.modes is not None:
             state.modes.announce()
     caches = []
@@ -217,8 +258,15 @@ def _decoder_layer_forward(self, *args, **kwargs):
     # Under "full" the layer's forward is checkpointed inside (transformers wraps the class's forward), and the
     # pipeline sees only the checkpoint's saved inputs: the layer input, offloaded when the policy says so.
     x = args[0] if args else kwargs.get("hidden_states")
-    watch = mode == "selective" and grad and state.watch_casts()
-    keeping = pipeline.scope(policy, state.engine, layer_input=x, watch_casts=watch)
+    watch, memo = False, None
+    if mode == "selective" and grad:
+        params = None
+        if not pipeline.autocast_on():
+            params = _parameters_of(modules or _modules_of(self))
+        watch = state.watch_casts(params)
+        if watch:
+            memo = state.memo_for(params or _parameters_of(modules or _modules_of(self)))
+    keeping = pipeline.scope(policy, state.engine, layer_input=x, watch_casts=watch, memo=memo)
     with keeping, _attention_reads_own_kv(caches):
         return getattr(self, PATCHED)(*args, **kwargs)
 

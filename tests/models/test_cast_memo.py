@@ -1,0 +1,47 @@
+"""A converted layer's cast memo (keeping.pipeline.scope's `memo`): learned at the first call of each kind, and
+learned again when the layer's parameters are frozen or unfrozen since (a frozen weight's cast under autocast
+has no graph node, so the layer keeps watching casts), with the gradients of a model that never learned."""
+
+import pytest
+import torch
+
+from selective_ckpt import convert
+from tests.models import hf_checks, test_hf_llama
+from tests.models.hf_checks import batch
+
+pytest.importorskip("transformers")
+
+
+def _state(model):
+    return getattr(hf_checks._layers(model)[0], "_selective_ckpt")
+
+
+def _step(model):
+    ids, mask = batch()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=ids, attention_mask=mask)
+    out.logits.float().sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_freezing_a_weight_relearns_the_memo_with_the_same_gradients():
+    build = test_hf_llama.build(num_hidden_layers=1)
+    torch.manual_seed(0)
+    ours = convert(build().train())
+    torch.manual_seed(0)
+    fresh = convert(build().train())
+    state = _state(ours)
+    _step(ours)
+    _step(ours)
+    assert list(state.cast_memo.values()) == [False]  # every cast shows in the graph: no watcher
+    for model in (ours, fresh):
+        hf_checks._layers(model)[0].self_attn.q_proj.weight.requires_grad_(False)
+    first = _step(ours)
+    assert list(state.cast_memo.values()) == [True]  # learned again: the frozen weight's cast keeps the watcher
+    again = _step(ours)
+    reference = _step(fresh)
+    assert first.keys() == reference.keys() == again.keys()
+    for name in reference:
+        assert torch.equal(first[name], reference[name]), name
+        assert torch.equal(again[name], reference[name]), name
