@@ -28,18 +28,31 @@ _CHOICES = ("auto", "cpp", "triton")
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
 
-def backend_for(t: torch.Tensor) -> str:
-    """'cpp' or 'triton' for tensor t: CUDA -> Triton, CPU -> C++ unless SELECTIVE_CKPT_BACKEND=triton."""
-    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+_choice = [None, None]  # (the variable's value as last read, the choice it gave): read once, parsed again on change
+
+
+def _backend_choice():
+    value = os.environ.get(BACKEND_ENV)
+    if value == _choice[0] and _choice[1] is not None:  # the value the choice was parsed from
+        return _choice[1]
+    choice = (value or "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(_CHOICES)}, got {choice!r}")
-    if t.device.type == "cuda":
+    _choice[:] = value, choice
+    return choice
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """'cpp' or 'triton' for tensor t: CUDA -> Triton, CPU -> C++ unless SELECTIVE_CKPT_BACKEND=triton."""
+    choice = _backend_choice()
+    device = t.device.type
+    if device == "cpu":
+        return "triton" if choice == "triton" else "cpp"
+    if device == "cuda":
         if choice == "cpp":
             raise ValueError(f"{BACKEND_ENV}=cpp cannot run CUDA tensors; unset it or use 'triton'")
         return "triton"
-    if t.device.type != "cpu":
-        raise ValueError(f"selective_ckpt runs on CPU and CUDA tensors, got device {t.device}")
-    return "triton" if choice == "triton" else "cpp"
+    raise ValueError(f"selective_ckpt runs on CPU and CUDA tensors, got device {t.device}")
 
 
 TRITON_MISSING = ("the Triton backend (CUDA tensors, or CPU tensors with SELECTIVE_CKPT_BACKEND=triton) needs "
@@ -66,15 +79,26 @@ def _first_tensor(args):
     return next(a for a in args if isinstance(a, torch.Tensor))
 
 
+_cpp_kernels = {}  # (op family, fn) -> its C++ adapter, or None for _C.<op_family>_<fn> called by pointers
+
+
 def call(op_family: str, fn: str, *args):
     """Runs kernel `fn` of `op_family` on the backend of its first tensor argument."""
     like = _first_tensor(args)
     if backend_for(like) == "triton":
         return getattr(_triton_module(op_family), fn)(*args)
-    adapter = _CPP_ADAPTERS.get((op_family, fn))
-    if adapter is not None:
-        return adapter(*args)
-    return getattr(_C, f"{op_family}_{fn}")(DTYPE_CODES[like.dtype], *map(_pointer, args))
+    key = (op_family, fn)
+    kernel = _cpp_kernels.get(key)
+    if kernel is None:
+        kernel = _cpp_kernels[key] = _CPP_ADAPTERS.get(key) or _by_pointer(getattr(_C, f"{op_family}_{fn}"))
+    return kernel(*args)
+
+
+def _by_pointer(kernel):
+    """A C++ kernel called as `_C.<op_family>_<fn>(dtype code of the first tensor, *pointers)`."""
+    def run(*args):
+        return kernel(DTYPE_CODES[_first_tensor(args).dtype], *map(_pointer, args))
+    return run
 
 
 # ---------------------------------------------------------------------------------------------
