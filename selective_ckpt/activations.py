@@ -37,13 +37,6 @@ GATED_LAYER_ACTIVATIONS = ("swiglu", "geglu")
 GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
-def kernel_of(name, what="activation"):
-    """The kernel activation of a name in ACTIVATIONS, or a ValueError naming `what` and the choices."""
-    if not isinstance(name, str) or name not in ACTIVATIONS:
-        raise ValueError(f"{what} must be one of {', '.join(map(repr, ACTIVATIONS))}, got {name!r}")
-    return ACTIVATIONS[name]
-
-
 def has_own_hooks(module):
     """Whether hooks are registered on this module itself (global module hooks are not counted)."""
     return any(getattr(module, attr, None) for attr in (
