@@ -13,7 +13,7 @@ from .configs import BUNDLED, HF_EXTRA, MissingExtra
 from .fitting import fit
 from .forms import ALL_LINEAR, TrainingForm
 from .rates import RATES, rates_for
-from .report import report
+from .report import frontier, report
 
 __all__ = ["GPUS", "build_parser", "main", "parse_bytes", "parse_seq_len"]
 
@@ -149,6 +149,10 @@ def build_parser():
                    help=f"the card whose rates predict step times: {', '.join(RATES)} (default: the --gpu card "
                         "if it is one, else H200)")
     add_form_arguments(p)
+    p.add_argument("--frontier", default=None,
+                   type=_argument(lambda text: [parse_seq_len(t) for t in text.split(",") if t.strip()]),
+                   help="comma-separated contexts (8k,32k,128k): a table of each variant's tokens/s at each, "
+                        "'-' where it does not fit, and the plan's peak, host memory and policies")
     p.add_argument("--wide", action="store_true", help="one table on wide lines instead of lines of 100 columns")
     return p
 
@@ -172,6 +176,12 @@ def main(argv=None):
         print(f"{p.prog}: error: {_flag_named(str(err))}", file=sys.stderr)
         return 2
     print(report(result, wide=a.wide))
+    if a.frontier:
+        if "max" in a.frontier:
+            print(f"{p.prog}: error: --frontier takes numbers of tokens, not max", file=sys.stderr)
+            return 2
+        print()
+        print(frontier(result, a.frontier))
     return 0
 
 

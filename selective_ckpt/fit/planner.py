@@ -90,14 +90,16 @@ def _actions(p):
 
 
 MIN_TILE = 1024  # tokens: below this a tile's fixed costs (a checkpoint, its RNG state) outweigh what it saves
+MAX_TILES = 64  # each tile count is simulated on its own, at a cost that grows with the count; 64 tiles leave an
+# MLP's intermediate a 64th of the context's, below the layer's other transients at any context
 
 
 def default_tiles(tokens, hidden):
     """The MLP's tile count at `tokens` tokens: tiles of a quarter to one max(`hidden`, MIN_TILE) of tokens, a power
-    of 4 (so that contexts near each other share a count, and its simulated steps); 1 below that."""
+    of 4 (so that contexts near each other share a count, and its simulated steps), at most MAX_TILES; 1 below."""
     size = max(hidden, MIN_TILE)
     n = 1
-    while n * size < tokens:
+    while n * size < tokens and n < MAX_TILES:
         n *= 4
     return n
 

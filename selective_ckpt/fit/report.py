@@ -200,3 +200,30 @@ def _wrap(lines, wide, indent=""):
         out += textwrap.wrap(x, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
                              break_on_hyphens=False, break_long_words=False) or [""]
     return out
+
+
+def frontier(r, contexts):
+    """A markdown table: per context, each variant's predicted tokens/s ('-' where it does not fit the GPU and the
+    host budget), then the plan's GPU peak, pinned host memory and policies."""
+    from .fitting import plan_at
+
+    names = [n for n in VARIANTS if n != "ours plan"]
+    lines = [f"tokens/s predicted (rates: {r.rates.device}) at each context; '-': does not fit "
+             f"{format_bytes(r.gpu_bytes)} of GPU" + (f" and {format_bytes(r.host_bytes)} of pinned host memory"
+                                                      if r.host_bytes is not None else ""),
+             "", "| context | " + " | ".join(names) + " | ours plan | plan: GPU peak, host | plan |",
+             "|---" * (len(names) + 4) + "|"]
+    for s in contexts:
+        cells = []
+        for name in names:
+            v = r.at(name, s)
+            cells.append(f"{v.tokens_per_second:,.0f}" if r.fits_at(name, s) and v.tokens_per_second else "-")
+        p, v = plan_at(r._projection, s, r.gpu_bytes, r.host_bytes, r.rates)
+        if p is None:
+            cells += ["-", "-", "no plan fits"]
+        else:
+            cells += [f"{p.tokens_per_second:,.0f}",
+                      f"{_with_share(p.peak)}, {format_bytes(p.host_bytes) if p.host_bytes else 'no host'}",
+                      p.describe()]
+        lines.append(f"| {s:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
