@@ -25,7 +25,7 @@ import time
 import torch
 
 QLORA_REFUSED = ("form: qlora is not measured here (a 4-bit base needs bitsandbytes' CUDA build); "
-                 "tests/test_fit.py measures it on CPU")
+                 "tests/fit/test_fit.py measures it on CPU")
 VARIANTS = ("transformers", "ours selective", "transformers + gradient checkpointing", "ours full")
 _GIB = 2 ** 30
 

@@ -7,6 +7,7 @@ import argparse
 import re
 import sys
 
+from . import arithmetic
 from .arithmetic import BudgetError
 from .cards import _NUMBER, _UNITS, GPUS, default_host_bytes, is_card, parse_bytes
 from .configs import BUNDLED, HF_EXTRA, MissingExtra
@@ -157,9 +158,15 @@ def build_parser():
     return p
 
 
+def _progress(line):
+    print(f"fit: {line}", file=sys.stderr, flush=True)
+
+
 def main(argv=None):
     p = build_parser()
     a = p.parse_args(_merge_gpu_unit(sys.argv[1:] if argv is None else argv))
+    if sys.stderr.isatty():  # a terminal sees what the minute of simulation is spent on
+        arithmetic.PROGRESS = _progress
     try:
         host = a.host[1] if a.host is not None else default_host_bytes()
         rates = a.rates or (a.gpu[0] if is_card(a.gpu[0]) else None)

@@ -41,6 +41,7 @@ _SIMULATED = {"transformers": "transformers", "transformers + gradient checkpoin
 _INPUTS_OFFLOADED = {TRANSFORMERS_OFFLOADED: "checkpointing", "ours full, inputs offloaded": "full",
                      "ours attention-kept, inputs offloaded": "attention-kept"}
 ALLOCATOR_SHARE = 0.05  # the caching allocator's rounding and fragmentation, as a share of the peak
+PROGRESS = None  # a callable taking a line, told of each simulation as it starts (the CLI's stderr), or None
 
 NOT_MODELLED = (
     "CUDA context and kernel workspaces (cuBLAS, the fused attention's scratch): outside the caching allocator",
@@ -153,6 +154,8 @@ class _Model:
         """_Layered of one simulated kind ("transformers", "checkpointing", "none", "selective", "full")."""
         if (kind, batch, seq_len) not in self._steps:
             kinds = _kinds(_group(kind))
+            if PROGRESS is not None:
+                PROGRESS(f"simulating {', '.join(map(str, kinds))} at {batch} x {seq_len} tokens")
             steps = {k: [] for k in kinds}
             for layers in (1, 2):
                 for k, step in self._simulate(layers, kinds, batch, seq_len).items():

@@ -7,7 +7,7 @@ bitsandbytes' Linear4bit allocates. The step runs as Trainer runs it (forward wi
 asked, backward, AdamW's step, gradients set to None) after an optimizer step on zero gradients has made
 the optimizer state. A
 dispatch mode counts every op output's storage from the op that makes it until it is freed, so what is held
-at any moment is known to the byte: on the CPU, the allocator measures the same (tests/test_fit.py).
+at any moment is known to the byte: on the CPU, the allocator measures the same (tests/fit/test_fit.py).
 
 Markers split the step into phases: each decoder layer's forward, the head and loss, the loss backward, each
 decoder layer's backward (from the gradient of its output on), the optimizer step. fit/arithmetic.py extends
