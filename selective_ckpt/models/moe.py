@@ -36,8 +36,9 @@ computed from its own row, exact up to the rounding of matmuls over fewer rows. 
 tile: the logits transformers collects for the auxiliary loss (output_router_logits) are concatenated back into
 the layer's one [B*S, E] tensor in its (batch, token) order, so the loss, its padding mask and
 `router_logits` read as untiled (up to that rounding); a hook on the router sees one call per tile. Qwen2-MoE's
-shared expert (a gated MLP) and its sigmoid gate: y = down(sigmoid(g(x)) * act(gate) * up), the gate folded into the down projection's
-input (rebuilt, like the product) instead of scaling the down output, which would keep t*h elements.
+shared expert (a gated MLP) and its sigmoid gate: y = down(sigmoid(g(x)) * act(gate) * up), the gate folded into
+the down projection's input (rebuilt, like the product) instead of scaling the down output, which would keep t*h
+elements.
 """
 
 import contextlib
