@@ -12,6 +12,7 @@ changes nothing.
 
 import dataclasses
 import functools
+import logging
 
 from torch import nn
 
@@ -88,6 +89,10 @@ class ModelSpec:
     check: object = None  # extra checks (root, name) raising ConversionError, or None
     patches: object = None  # extra patches (root) -> [(module, forward), ...] after the checks, or None
     moe: object = None  # a sparse mixture-of-experts MLP the "mlp" child may be instead (models/moe.py MoESpec)
+    # a composite model's text decoder (e.g. Mistral3ForConditionalGeneration's "model.language_model", whose config
+    # is config.text_config): the driver converts that sub-model alone, by this spec and its own config; the rest
+    # (vision tower, projector, head) stays transformers' own, said once at convert. None: the whole model
+    text_model: str = None
 
     def __post_init__(self):
         bad = sorted({role for _, role in self.children} - set(ROLES))
@@ -153,9 +158,59 @@ def _check_activation(mlp, name, model_type, spec):
                                   f"faithfully: {problem}")
 
 
+def text_path(root, spec):
+    """Where `root` holds its text model: spec.text_model (in the composite's head class), else the longest dotted
+    tail of it that names a submodule (in its base model: Mistral3Model's "language_model"); None for a
+    whole-model spec or when none is there."""
+    if spec.text_model is None:
+        return None
+    steps = spec.text_model.split(".")
+    for i in range(len(steps)):
+        path = ".".join(steps[i:])
+        try:
+            root.get_submodule(path)
+        except AttributeError:
+            continue
+        return path
+    return None
+
+
+def text_part(root, spec, model_type=None):
+    """The module `spec` converts in `root`: root itself, or a composite model's text decoder (text_path), a
+    transformers model with a config of its own; ConversionError when `root` holds none there."""
+    if spec.text_model is None:
+        return root
+    path = text_path(root, spec)
+    part = root.get_submodule(path) if path is not None else None
+    if getattr(part, "config", None) is None:
+        raise ConversionError(f"{type(root).__name__} (model type {model_type!r}): no text model with a config at "
+                              f"{spec.text_model!r} ({type(part).__name__ if part is not None else 'missing'}); "
+                              "convert converts a composite model's text decoder there")
+    return part
+
+
+def left_as_is(root, spec):
+    """[(name, module)] of a composite model's modules beside the path to its text model (text_path), in module
+    order: what convert leaves transformers' own (the vision tower, the projector, the head). [] for a
+    whole-model spec."""
+    out, module, prefix = [], root, ""
+    path = text_path(root, spec)
+    for step in (path.split(".") if path else ()):
+        out += [(prefix + n, m) for n, m in module.named_children() if n != step]
+        module, prefix = getattr(module, step), f"{prefix}{step}."
+    order = {n: i for i, (n, _) in enumerate(root.named_modules())}
+    return sorted(out, key=lambda item: order[item[0]])
+
+
 def plan(root, spec, model_type):
-    """(decoder layers, [(module, forward), ...]) converting `root` by `spec`, or ConversionError."""
+    """(decoder layers, [(module, forward), ...]) converting `root` by `spec`, or ConversionError. A composite
+    model's spec (spec.text_model) plans its text model only (text_part)."""
     name = f"{type(root).__name__} (model type {model_type!r})"
+    part = text_part(root, spec, model_type)
+    if part is not root:
+        name = (f"{type(root).__name__}.{text_path(root, spec)} ({type(part).__name__}, model type {model_type!r}, "
+                f"text model type {getattr(part.config, 'model_type', None)!r})")
+    root = part
     if spec.check is not None:
         spec.check(root, name)
     layers = modules_of(root, spec.layer)
@@ -292,19 +347,33 @@ def llama_shaped(model_type, prefix, **overrides):
 def apply(root, layers, patches, mode, spec):
     """Registers attention, patches the forwards and gives each decoder layer its recompute mode ("full" for a
     layer under transformers' checkpointing already) and its shape reader (its LayerShape fields for the memory
-    planner), and installs the fused loss head on a causal LM (models/loss_head.py)."""
-    attention.register(root)  # records the attention the model ran before, which fully masked rows follow
-    root.config._attn_implementation = attention.NAME
+    planner), and installs the fused loss head on a causal LM (models/loss_head.py). A composite model's spec
+    (spec.text_model): attention and the shapes are its text model's (text_part), whose config alone names the
+    attention; the modules left transformers' own are said once (one info line on the selective_ckpt logger)."""
+    part = text_part(root, spec)
+    attention.register(part)  # records the attention the model ran before, which fully masked rows follow
+    part.config._attn_implementation = attention.NAME  # a composite's top config would set its vision config's too
     for module, forward in patches:
         patch_forward(module, forward)
     hub_kernels.keep_patches(root)
     names = {id(m): n for n, m in root.named_modules()}
     for layer in layers:
-        convert_decoder_layer(layer, mode, functools.partial(spec.shape, config=root.config, spec=spec),
+        convert_decoder_layer(layer, mode, functools.partial(spec.shape, config=part.config, spec=spec),
                               names.get(id(layer)), _child_of_role(spec, "mlp"))
     announce_modes(layers)
     loss_head.install(root)
+    if part is not root:
+        _say_left_as_is(root, spec, part)
+
+
+def _say_left_as_is(root, spec, part):
+    left = ", ".join(f"{n} ({type(m).__name__})" for n, m in left_as_is(root, spec))
+    head = "" if loss_head.is_causal_lm(root) else "; its loss is transformers' own (lm_head's logits are made)"
+    logging.getLogger("selective_ckpt").info(
+        f"selective_ckpt: {type(root).__name__} (model type {getattr(root.config, 'model_type', None)!r}): converted "
+        f"its text model {text_path(root, spec)} ({type(part).__name__}); left as transformers' own: {left}: the "
+        f"model spec converts the text decoder's layers only{head}")
 
 
 __all__ = ["ConversionError", "MLPSpec", "ModelSpec", "NormSpec", "apply", "config_shape",
-           "hf_root", "llama_shaped", "plan", "residual_shape"]
+           "hf_root", "left_as_is", "llama_shaped", "plan", "residual_shape", "text_part", "text_path"]
