@@ -127,7 +127,7 @@ def _quant_states(model):
     return out
 
 
-CASES = [(f, form) for f in FAMILIES for form in FORMS]
+CASES = [pytest.param(f, form, marks=f.skips("fit")) for f in FAMILIES for form in FORMS]
 
 
 @pytest.mark.parametrize("variant", ("transformers", "ours selective"))

@@ -27,6 +27,16 @@ class Family:
     # (name, config keyword arguments): other forms of the family's layers, each within the rule against
     # float64 with padded rows (test_variant_within_the_rule)
     variants: tuple = ()
+    # {check: reason}: shared checks outside tests/models/test_hf_families.py this family cannot run ("fit":
+    # tests/fit/test_fit.py), each skipped with its reason (skips)
+    skip: dict | None = None
+
+    def skips(self, check):
+        """pytest marks for `check`: a skip with the family's reason, or none."""
+        import pytest
+
+        reason = (self.skip or {}).get(check)
+        return [pytest.mark.skip(reason=f"{self.name}: {reason}")] if reason else []
 
     def build(self, **kw):
         """A zero-argument builder of the causal LM with the tiny config updated by `kw`."""
