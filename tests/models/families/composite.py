@@ -27,11 +27,13 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_at
 
 FAMILIES = [
     # no classification heads: transformers has none for Mistral 3. Its lm_head and loss stay transformers' own
-    # (the fused loss head is a *ForCausalLM's), which the shared checks compare like any other.
+    # (the fused loss head is a *ForCausalLM's), which the shared checks compare like any other. With its attention
+    # dropout on, the recompute modes and transformers' checkpointing switched on the composite give the same bits.
     CompositeFamily("mistral3", transformers.Mistral3Config, transformers.Mistral3ForConditionalGeneration,
                     dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                          pad_token_id=0),
+                    dropout={"attention_dropout": 0.17},
                     composite=(("vision_config", _VISION), ("image_token_index", VOCAB - 1),
                                ("spatial_merge_size", 2)),
                     skip={"fit": "selective_ckpt.fit projects a causal LM built from a text config "
