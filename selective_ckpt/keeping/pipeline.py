@@ -15,7 +15,10 @@ a registered output is registered in turn, rebuilt as the cast of the rebuilt ou
 the consumer saved), and `source(x)` hands a derived output's producer (LoRA dropout) a handle that rebuilds x
 instead of keeping it. A cast of a tensor that is not registered (the attention output, which attention keeps
 anyway; autocast's 16-bit copy of an fp32 weight) is rebuilt from that tensor when it is a parameter or no
-larger than the copy, so a substitution never costs bytes. Casts carry their source's class.
+larger than the copy, so a substitution never costs bytes. Casts carry their source's class. With a per-layer
+memo (`scope(memo=)`), later calls follow casts through the autograd graph instead: a cast's node reading a
+registered or tagged output, through views, permutes and transposes too, or a parameter; code that makes
+autocast's casts itself shows them with `cast` (a frozen weight's cast has no node).
 
 Classes: the code that produces or saves a tensor names its class with `tag(t, cls)` (attention tags q, k, v and
 o, lse; the MLP ops their matmul outputs; the norm patches their inputs; the pipeline the layer input), and
@@ -57,6 +60,59 @@ def _node_types():
 
 
 _TO_COPY_NODE, _ACCUMULATE_GRAD = _node_types()  # the autograd nodes of a dtype cast and of a leaf
+
+
+def _view_node_types():
+    x = torch.zeros(2, 3, 4, requires_grad=True) * 1
+    return type(x.view(6, 4).grad_fn), type(x.permute(2, 0, 1).grad_fn), type(x.transpose(0, 1).grad_fn)
+
+
+_VIEW_NODE, _PERMUTE_NODE, _TRANSPOSE_NODE = _view_node_types()
+_VIEW_CHAIN_LIMIT = 8  # view ops followed between a cast and its source
+
+
+def _viewed_through(node, shape, edges):
+    """When `node` (the node of a cast's input, whose output has `shape`) is a view, permute or transpose of a
+    tensor whose edge is in `edges`, possibly through more of them: (edges' entry, the ops from that tensor to
+    the cast's input in forward order, that tensor's shape); else None. The ops are read from the nodes' saved
+    arguments and replayed exactly by _replayed."""
+    ops = []
+    for _ in range(_VIEW_CHAIN_LIMIT):
+        kind = type(node)
+        n = len(shape)
+        if kind is _VIEW_NODE:
+            ops.append(("view", tuple(shape)))
+            shape = tuple(node._saved_self_sym_sizes)
+        elif kind is _PERMUTE_NODE:
+            dims = tuple(node._saved_dims)
+            ops.append(("permute", dims))
+            before = [0] * n
+            for i, d in enumerate(dims):
+                before[d % n] = shape[i]
+            shape = tuple(before)
+        elif kind is _TRANSPOSE_NODE:
+            d0, d1 = node._saved_dim0, node._saved_dim1
+            ops.append(("transpose", (d0, d1)))
+            before = list(shape)
+            before[d0 % n], before[d1 % n] = shape[d1 % n], shape[d0 % n]
+            shape = tuple(before)
+        else:
+            return None
+        if len(node.next_functions) != 1:
+            return None
+        edge = node.next_functions[0]
+        found = edges.get(edge)
+        if found is not None:
+            return found, ops[::-1], shape
+        node = edge[0]
+    return None
+
+
+def _replayed(x, ops, dtype):
+    """The cast to dtype of the view ops `ops` (from _viewed_through) applied to x."""
+    for op, args in ops:
+        x = x.view(args) if op == "view" else x.permute(args) if op == "permute" else x.transpose(*args)
+    return x.to(dtype)
 
 
 class _Rebuild:
@@ -130,14 +186,18 @@ class _LayerPipeline:
         # registered or tagged tensor -> (weakref to it, its version then)
         self.by_graph = False
         self.edges = {}
+        self.pending = []  # (weakref, version) of tagged tensors without a node yet (_edge)
         self.learning = False  # watcher and graph both on: note casts the graph alone would miss
         self.cast_keys = set()  # storages of the casts the watcher registered or tagged
+        self.shown = set()  # storages of the casts shown by `cast` (seen watched or not)
         self.unexplained = False
 
     # --- classes
 
     def tag(self, t, cls, if_untagged=False):
         if not self.classify:
+            if self.by_graph:  # a tagged tensor is a source casts are followed to (_cast_by_graph)
+                self._edge(t)
             return
         key = _key(t)
         if key is None or (if_untagged and self.class_of(t) != OTHER):
@@ -171,6 +231,30 @@ class _LayerPipeline:
         node = t.grad_fn
         if node is not None:
             self.edges[(node, t.output_nr)] = (weakref.ref(t), t._version)
+        elif not t.is_leaf or not t.requires_grad:
+            # an output tagged inside its own op (setup_context), before autograd gives it its node: noted when
+            # a lookup misses (_settle)
+            self.pending.append((weakref.ref(t), t._version))
+
+    def _settle(self):
+        """Notes the edges of tagged outputs that had no node yet when tagged."""
+        waiting = []
+        for ref, version in self.pending:
+            t = ref()
+            if t is None:
+                continue
+            if t.grad_fn is None:
+                waiting.append((ref, version))
+            else:
+                self.edges[(t.grad_fn, t.output_nr)] = (ref, version)
+        self.pending = waiting
+
+    def _edge_of(self, edge):
+        found = self.edges.get(edge)
+        if found is None and self.pending:
+            self._settle()
+            found = self.edges.get(edge)
+        return found
 
     def view_of(self, t):
         """A _View reading t back from a registered output, or None."""
@@ -222,22 +306,32 @@ class _LayerPipeline:
         edge = node.next_functions[0]
         if edge[0] is None or not t.is_contiguous() or _key(t) is None:
             return None
-        found = self.edges.get(edge)
+        found = self._edge_of(edge)
+        ops, shape = None, t.shape
+        if found is None and type(edge[0]) in (_VIEW_NODE, _PERMUTE_NODE, _TRANSPOSE_NODE):
+            # a cast of a view of a registered or tagged tensor (attention's o reshaped for the out projection)
+            viewed = _viewed_through(edge[0], t.shape, self.edges)
+            if viewed is not None:
+                found, ops, shape = viewed
         if found is not None:
             root = found[0]()
-            if root is None or root._version != found[1] or root.dtype == t.dtype or root.shape != t.shape \
+            if root is None or root._version != found[1] or root.dtype == t.dtype or root.shape != shape \
                     or root.device != t.device:
                 return None
             if self.learning and _key(root) in self.cast_keys:
                 return None  # a cast the watcher registered: the graph alone would not know it
             source = self.view_of(root) if _key(root) in self.outputs else None
-            if source is not None:
-                rebuild = _Rebuild(_cast, (source, t.dtype))
-            elif root.is_contiguous() and (root.element_size() <= t.element_size()
-                                           or isinstance(root, torch.nn.Parameter)):
-                rebuild = _Rebuild(_cast_chain, (root, (t.dtype,)))  # held instead of the copy, as _promote_cast
-            else:
+            if source is None and not (root.element_size() <= t.element_size()
+                                       or isinstance(root, torch.nn.Parameter)):
                 return None
+            if source is None and ops is None and not root.is_contiguous():
+                return None
+            if ops is not None:
+                rebuild = _Rebuild(_replayed, (root if source is None else source, ops, t.dtype))
+            elif source is not None:
+                rebuild = _Rebuild(_cast, (source, t.dtype))
+            else:
+                rebuild = _Rebuild(_cast_chain, (root, (t.dtype,)))  # held instead of the copy, as _promote_cast
         elif type(edge[0]) is _ACCUMULATE_GRAD:
             root = edge[0].variable
             if not isinstance(root, torch.nn.Parameter) or root.dtype == t.dtype or root.shape != t.shape \
@@ -256,7 +350,7 @@ class _LayerPipeline:
         would not have (then this layer keeps its watcher)."""
         self.view_of(t)  # registers a cast the watcher saw that is rebuilt from a kept root (_promote_cast)
         key = _key(t)
-        if key not in self.cast_keys:
+        if key not in self.cast_keys or key in self.shown:
             return
         if key in self.outputs and not self._cast_by_graph(t, register=False):
             self.unexplained = True
@@ -265,10 +359,15 @@ class _LayerPipeline:
 
     def _class_by_graph(self, t):
         """The class of a cast's source found through the graph (OTHER when none)."""
-        node = (t if t._base is None else t._base).grad_fn
+        t = t if t._base is None else t._base
+        node = t.grad_fn
         if type(node) is not _TO_COPY_NODE:
             return OTHER
-        found = self.edges.get(node.next_functions[0])
+        edge = node.next_functions[0]
+        found = self._edge_of(edge)
+        if found is None and type(edge[0]) in (_VIEW_NODE, _PERMUTE_NODE, _TRANSPOSE_NODE):
+            viewed = _viewed_through(edge[0], t.shape, self.edges)
+            found = viewed[0] if viewed is not None else None
         root = found[0]() if found is not None else None
         return OTHER if root is None else self.class_of(root)
 
@@ -313,16 +412,17 @@ class _LayerPipeline:
                 return view
         elif self.learning:
             self._learn(t)
-        cls = self.class_of(t)
-        if cls == OTHER and self.by_graph and self.classify and not self.learning:
-            cls = self._class_by_graph(t)
-        if self.engine is not None and self.policy.action(cls) == "offload" and _offloadable(t):
-            handle = self.engine.offload(t)
+        if self.classify:  # else nothing reads the class (no engine, no observer)
+            cls = self.class_of(t)
+            if cls == OTHER and self.by_graph and not self.learning:
+                cls = self._class_by_graph(t)
+            if self.engine is not None and self.policy.action(cls) == "offload" and _offloadable(t):
+                handle = self.engine.offload(t)
+                if self.observer is not None:
+                    self.observer.note(t, cls, handle)
+                return _Offloaded(handle)
             if self.observer is not None:
-                self.observer.note(t, cls, handle)
-            return _Offloaded(handle)
-        if self.observer is not None:
-            self.observer.note(t, cls, None)
+                self.observer.note(t, cls, None)
         # A detached alias of a non-leaf, never t itself: a node saving its own output (attention's o and lse,
         # a norm's statistics) would otherwise hold that output, whose grad_fn is the node, in a cycle through
         # C++ that no garbage collector sees: a forward never followed by backward would keep its graph
@@ -452,6 +552,8 @@ def scope(policy="selective", engine=None, layer_input=None, watch_casts=None, r
         current.casts.clear()
         current.tags.clear()
         current.edges.clear()
+        current.pending.clear()
+        current.shown.clear()
 
 
 @contextlib.contextmanager
@@ -484,6 +586,20 @@ def discardable(y, rebuild, *args):
         if current.rebuilds:
             current.register(y, _Rebuild(rebuild, args))
     return y
+
+
+def cast(t, dtype):
+    """`t.to(dtype)`, shown to the active pipeline as the watcher shows a cast (its class; rebuilt from t when t is
+    dropped, or from a parameter): for code that makes autocast's casts itself, so that a cast without a graph
+    node (of a frozen parameter, or of an output without gradients) needs no watcher. Such a cast is seen at
+    every call, watched or not, so a learning call does not count it among the casts only the watcher sees."""
+    out = t.to(dtype)
+    current = _current()
+    if current is not None and out is not t and type(out) in PLAIN_TENSOR_TYPES:
+        current.note_cast(t, out)
+        if current.learning:
+            current.shown.add(_key(out))
+    return out
 
 
 def note_kept(t, cls):

@@ -7,6 +7,11 @@ contract): the dropped input is rebuilt in backward from the rebuilt input and a
 PEFT's own forward is left alone, so `set_adapter`, `disable_adapter()`, several adapters,
 `use_rslora`, merging and `merge_and_unload` keep PEFT's semantics; eval mode applies no dropout.
 
+Under autocast, autocast's cast of a frozen base weight has no autograd node, so the layer pipeline could
+only find it by watching every op (a Python call per op); the LoRA layers' Linears (base layer, lora_A,
+lora_B) get `adapter_linear_forward`, which makes those casts itself, as autocast would, and shows them to
+the pipeline (keeping.pipeline.cast).
+
 Adapters may be added, removed or swapped before or after convert: each converted layer checks its
 adapters when its modules change (models/converted_layer.py, `ConvertedLayerState.make_current`).
 bitsandbytes' 8-bit Linear trains on CPU through MatMul8bitFp, which holds its input as a plain
@@ -19,8 +24,10 @@ selective_ckpt does not rebuild: it is refused by name.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..keeping import pipeline
 from .errors import ConversionError
 from .patches import dropout_forward
 
@@ -44,6 +51,39 @@ def int8_linear_forward(self, x):
     return out
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def adapter_linear_forward(self, x):
+    """nn.Linear's forward for the Linears of a LoRA layer (its base layer, lora_A, lora_B). Under autocast inside
+    a layer pipeline, the arguments autocast would cast without a graph node (those that take no gradient: the
+    frozen base weight, an input without gradients) are cast here first, exactly as autocast casts them
+    (`to(autocast dtype)`, floating tensors but float64 on the autocast device), and shown to the pipeline
+    (keeping.pipeline.cast), which then rebuilds them without watching every op; autocast finds them cast.
+    Arguments that take gradients are left to autocast (its cached cast of a weight has a graph node)."""
+    weight, bias = self.weight, self.bias
+    device = x.device.type
+    if device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device) and pipeline.active():
+        dtype = torch.get_autocast_dtype(device)
+        x, weight, bias = (_autocast_cast(t, dtype, device) for t in (x, weight, bias))
+    return F.linear(x, weight, bias)
+
+
+def _autocast_cast(t, dtype, device):
+    if t is None or t.requires_grad or not t.is_floating_point() or t.dtype in (dtype, torch.float64) \
+            or t.device.type != device:
+        return t
+    return pipeline.cast(t, dtype)
+
+
+def _adapter_linears(lora):
+    """The plain nn.Linear modules of a LoRA layer: its base layer and its adapters' A and B."""
+    found = [getattr(lora, "base_layer", None)]
+    for attr in ("lora_A", "lora_B"):
+        found += list(getattr(lora, attr, {}).values())
+    return [m for m in found if type(m) is nn.Linear]
+
+
 def _lora_layers(module):
     try:
         from peft.tuners.lora import LoraLayer
@@ -62,8 +102,8 @@ def _check_variants(name, lora):
 
 
 def plan_adapters(root, owner=""):
-    """(module, forward) patches for the LoRA dropouts and 8-bit Linears under `root`; raises ConversionError
-    for LoRA variants."""
+    """(module, forward) patches for the LoRA dropouts, LoRA layers' Linears and 8-bit Linears under `root`;
+    raises ConversionError for LoRA variants."""
     patches = [(m, int8_linear_forward) for m in root.modules() if type(m).__name__ == "Linear8bitLt"
                and type(m).__module__.startswith("bitsandbytes.")]
     for name, lora in _lora_layers(root):
@@ -74,6 +114,7 @@ def plan_adapters(root, owner=""):
                 if drop.inplace:
                     raise ConversionError(f"{full}: in-place LoRA dropout cannot be converted")
                 patches.append((drop, dropout_forward))
+        patches += [(m, adapter_linear_forward) for m in _adapter_linears(lora)]
     return patches
 
 

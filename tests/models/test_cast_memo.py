@@ -45,3 +45,36 @@ def test_freezing_a_weight_relearns_the_memo_with_the_same_gradients():
     for name in reference:
         assert torch.equal(first[name], reference[name]), name
         assert torch.equal(again[name], reference[name]), name
+
+
+def test_lora_under_autocast_follows_every_cast_by_graph_with_the_watchers_gradients(monkeypatch):
+    """Frozen base weights' casts are made by the LoRA layers' Linears (models/peft.py), the out projection's
+    input is a view of attention's output: after the first call no layer watches, and the steps match, bit for
+    bit, a model whose layers watch every call."""
+    peft = pytest.importorskip("peft")
+    from selective_ckpt.models.converted_layer import ConvertedLayerState
+
+    def build():
+        torch.manual_seed(0)
+        model = convert(test_hf_llama.build(num_hidden_layers=2)().train())
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                                          target_modules="all-linear", init_lora_weights=False))
+
+    def steps(model):
+        out = []
+        for seed in (2, 3, 4):
+            torch.manual_seed(seed)
+            out.append(_step(model))
+        return out
+
+    ours = build()
+    mine = steps(ours)
+    for layer in hf_checks._layers(ours):
+        assert list(getattr(layer, "_selective_ckpt").cast_memo.values()) == [False]
+    monkeypatch.setattr(ConvertedLayerState, "memo_for", lambda self, params: None)  # the watcher at every call
+    watched = steps(build())
+    for got, want in zip(mine, watched):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
