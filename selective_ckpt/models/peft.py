@@ -65,12 +65,14 @@ def adapter_linear_forward(self, x):
     device = x.device.type
     if device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device) and pipeline.active():
         dtype = torch.get_autocast_dtype(device)
-        x, weight, bias = (_autocast_cast(t, dtype, device) for t in (x, weight, bias))
+        x, weight = _autocast_cast(x, dtype, device), _autocast_cast(weight, dtype, device)
+        if bias is not None:
+            bias = _autocast_cast(bias, dtype, device)
     return F.linear(x, weight, bias)
 
 
 def _autocast_cast(t, dtype, device):
-    if t is None or t.requires_grad or not t.is_floating_point() or t.dtype in (dtype, torch.float64) \
+    if t.requires_grad or not t.is_floating_point() or t.dtype in (dtype, torch.float64) \
             or t.device.type != device:
         return t
     return pipeline.cast(t, dtype)

@@ -78,3 +78,39 @@ def test_lora_under_autocast_follows_every_cast_by_graph_with_the_watchers_gradi
         assert got.keys() == want.keys()
         for name in want:
             assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("input_grad", (True, False))
+def test_adapter_linear_forward_casts_as_autocast_does(input_grad):
+    """The LoRA layers' Linears under autocast in a pipeline: outputs and gradients bit-identical to nn.Linear's own
+    forward (autocast's casts), frozen weight and bias and an input with or without gradients."""
+    from selective_ckpt.keeping import pipeline
+    from selective_ckpt.models.patching import patch_forward
+    from selective_ckpt.models.peft import adapter_linear_forward
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(8, 16)
+    plain.weight.requires_grad_(False)
+    plain.bias.requires_grad_(False)
+    lora_a = torch.nn.Linear(8, 4, bias=False)
+    ours_plain, ours_a = (torch.nn.Linear(8, 16), torch.nn.Linear(8, 4, bias=False))
+    ours_plain.load_state_dict(plain.state_dict())
+    ours_a.load_state_dict(lora_a.state_dict())
+    ours_plain.requires_grad_(False)
+    patch_forward(ours_plain, adapter_linear_forward)
+    patch_forward(ours_a, adapter_linear_forward)
+    x0 = torch.randn(2, 5, 8)
+
+    def run(base, a):
+        x = x0.clone().requires_grad_(input_grad)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with pipeline.scope("selective", layer_input=x, watch_casts=False):
+                y = pipeline.discardable(x * 2, torch.mul, x, 2)
+                out = base(y).sum(-1) + a(y).sum(-1)
+        out.float().square().sum().backward()
+        return out, x.grad, a.weight.grad
+
+    want, got = run(plain, lora_a), run(ours_plain, ours_a)
+    assert want[0].dtype == got[0].dtype == torch.bfloat16
+    for w, g in zip(want, got):
+        assert (w is None and g is None) or torch.equal(w, g)
