@@ -69,6 +69,9 @@ def load_config(config):
     model_type = d.pop("model_type", None)
     if not model_type:
         raise ValueError("config: field 'model_type' is missing")
+    if isinstance(d.get("text_config"), (dict, PretrainedConfig)) and any(f not in d for f in REQUIRED):
+        raise ValueError(f"config: a {model_type!r} config holds its text model's sizes in its text_config: the fit "
+                         "projects a causal LM; pass config.text_config (a vision tower's weights are left out)")
     for field in REQUIRED:
         v = d.get(field, {"hidden_size": d.get("n_embd"), "num_hidden_layers": d.get("n_layer"),
                           "num_attention_heads": d.get("n_head")}.get(field))
