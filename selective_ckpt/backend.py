@@ -76,29 +76,31 @@ def _pointer(a):
 
 
 def _first_tensor(args):
-    return next(a for a in args if isinstance(a, torch.Tensor))
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    raise TypeError("backend.call needs a tensor argument")
 
 
-_cpp_kernels = {}  # (op family, fn) -> its C++ adapter, or None for _C.<op_family>_<fn> called by pointers
+_cpp_kernels = {}  # (op family, fn) -> (its C++ adapter, None) or (None, _C.<op_family>_<fn>)
 
 
 def call(op_family: str, fn: str, *args):
     """Runs kernel `fn` of `op_family` on the backend of its first tensor argument."""
     like = _first_tensor(args)
-    if backend_for(like) == "triton":
-        return getattr(_triton_module(op_family), fn)(*args)
+    if not like.is_cpu or _backend_choice() == "triton":  # else C++: backend_for's rule, its fast path
+        if backend_for(like) == "triton":
+            return getattr(_triton_module(op_family), fn)(*args)
     key = (op_family, fn)
-    kernel = _cpp_kernels.get(key)
-    if kernel is None:
-        kernel = _cpp_kernels[key] = _CPP_ADAPTERS.get(key) or _by_pointer(getattr(_C, f"{op_family}_{fn}"))
-    return kernel(*args)
-
-
-def _by_pointer(kernel):
-    """A C++ kernel called as `_C.<op_family>_<fn>(dtype code of the first tensor, *pointers)`."""
-    def run(*args):
-        return kernel(DTYPE_CODES[_first_tensor(args).dtype], *map(_pointer, args))
-    return run
+    entry = _cpp_kernels.get(key)
+    if entry is None:
+        adapter = _CPP_ADAPTERS.get(key)
+        entry = _cpp_kernels[key] = (adapter, None if adapter is not None else getattr(_C, f"{op_family}_{fn}"))
+    adapter, kernel = entry
+    if adapter is not None:
+        return adapter(*args)
+    return kernel(DTYPE_CODES[like.dtype],
+                  *[a.data_ptr() if isinstance(a, torch.Tensor) else 0 if a is None else a for a in args])
 
 
 # ---------------------------------------------------------------------------------------------
