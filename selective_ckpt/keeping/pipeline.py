@@ -81,17 +81,25 @@ def _viewed_through(node, shape, edges):
         kind = type(node)
         n = len(shape)
         if kind is _VIEW_NODE:
+            before = getattr(node, "_saved_self_sym_sizes", None)  # the saved arguments' names: torch's own
+            if before is None:
+                return None
             ops.append(("view", tuple(shape)))
-            shape = tuple(node._saved_self_sym_sizes)
+            shape = tuple(before)
         elif kind is _PERMUTE_NODE:
-            dims = tuple(node._saved_dims)
+            dims = getattr(node, "_saved_dims", None)
+            if dims is None or len(dims) != n:
+                return None
+            dims = tuple(dims)
             ops.append(("permute", dims))
             before = [0] * n
             for i, d in enumerate(dims):
                 before[d % n] = shape[i]
             shape = tuple(before)
         elif kind is _TRANSPOSE_NODE:
-            d0, d1 = node._saved_dim0, node._saved_dim1
+            d0, d1 = getattr(node, "_saved_dim0", None), getattr(node, "_saved_dim1", None)
+            if d0 is None or d1 is None or not n:
+                return None
             ops.append(("transpose", (d0, d1)))
             before = list(shape)
             before[d0 % n], before[d1 % n] = shape[d1 % n], shape[d0 % n]
