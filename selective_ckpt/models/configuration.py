@@ -51,7 +51,9 @@ def training_dtypes(layer, autocast_dtype=None):
     bases = [_base(m) for _, m in _projections(layer)]
     floating = [b.weight.dtype for b in bases if b.weight.is_floating_point()]
     norms = [p.dtype for n, p in layer.named_parameters() if "norm" in n and p.is_floating_point()]
-    residual = floating[0] if floating else norms[0]
+    # the projections' dtype; with every base quantized, the norms' (or any floating parameter's: GPT-2's ln_1)
+    others = norms or [p.dtype for p in layer.parameters() if p.is_floating_point()]
+    residual = floating[0] if floating else others[0]
     if autocast_dtype is not None and residual == torch.float32:
         compute = autocast_dtype
     else:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from selective_ckpt.fit import VARIANTS, TrainingForm, fit, load_config
+from selective_ckpt.fit.fitting import plan_at
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -60,12 +61,13 @@ def test_longest_context_fits_and_the_next_token_does_not(checked, case):
 
 
 def test_seq_len_max_reports_a_context_that_fits():
-    """The issue's case: QLoRA Llama-3.1-8B on 24 GB. The report stands at the longest context "ours selective"
-    fits; its row says it fits there, and one more token does not."""
-    r = fit("Llama-3.1-8B", 24e9, form=TrainingForm("qlora"))
-    assert r.seq_len == r.max_context["ours selective"] > 0
-    assert r.fits("ours selective") and r.fits("ours plan")
-    assert not r.fits_at("ours selective", r.seq_len + 1)
+    """The issue's case: QLoRA Llama-3.1-8B on 24 GB. The report stands at the longest context the plan fits; its
+    row says it fits there, and one more token does not."""
+    r = fit("Llama-3.1-8B", 24e9, form=TrainingForm("qlora"), host_bytes=64e9)
+    assert r.seq_len == r.max_context["ours plan"] > r.max_context["ours selective"] > 0
+    assert r.fits("ours plan") and r.plan is not None and r.plan.host_bytes <= 64e9
+    assert r.max_context["ours plan"] >= max(v for k, v in r.max_context.items() if k != "ours plan")
+    assert plan_at(r._projection, r.seq_len + 1, r.gpu_bytes, r.host_bytes, r.rates)[0] is None
     for name in VARIANTS:
         assert r.fits(name) == (r.max_context[name] >= r.seq_len), name
     # "ours plan" is at least every layer "full", which is a plan
