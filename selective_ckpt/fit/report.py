@@ -123,21 +123,6 @@ def _time_table(r, rows):
     return lines
 
 
-def _counts(modes):
-    """[(mode, layers)] of a plan, in layer order ("full" layers first)."""
-    out = []
-    for m in modes:
-        if out and out[-1][0] == m:
-            out[-1][1] += 1
-        else:
-            out.append([m, 1])
-    return [tuple(x) for x in out]
-
-
-def _plan_text(modes):
-    return ", ".join(f"{n} x {m}" for m, n in _counts(modes))
-
-
 def _gib_text(n):
     return f"{n / 2 ** 30:.1f}GiB"
 
