@@ -158,7 +158,15 @@ class SelectiveDecoderLayer(nn.Module):
 
     @policy.setter
     def policy(self, value):
-        self._policy = resolve(value)
+        value = resolve(value)
+        self._check_layer_tiles(value.layer_tiles)
+        self._policy = value
+
+    @staticmethod
+    def _check_layer_tiles(tiles):
+        if tiles > 1:
+            raise ValueError(f"SelectiveDecoderLayer: the policy's layer_tiles={tiles} applies to converted Hugging "
+                             "Face decoder layers; this layer runs its MLP in tiles instead (mlp_tiles)")
 
     @property
     def recompute(self):
@@ -317,9 +325,9 @@ def set_recompute(model, mode_or_list, every=None, *, engine=None, prefetch=None
         raise TypeError(f"mode_or_list must be a mode string, a LayerPolicy or a list of them, got "
                         f"{type(mode_or_list).__name__}")
     for layer, p in zip(layers, policies):  # every refusal before any layer changes
-        check = getattr(layer, "_mlp_running_in", None)
-        if check is not None:
-            check(p.mlp_tiles)
+        for check, tiles in (("_mlp_running_in", p.mlp_tiles), ("_check_layer_tiles", p.layer_tiles)):
+            if getattr(layer, check, None) is not None:
+                getattr(layer, check)(tiles)
     if prefetch is None:
         prefetch = getattr(mode_or_list, "prefetch", 1)
     if any(p.offloaded for p in policies):

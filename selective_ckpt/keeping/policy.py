@@ -15,7 +15,9 @@ is small, of class "other", and always kept. A `LayerPolicy` gives each class an
 named policies: "none" keeps everything, "selective" rebuilds the norm and activation outputs, "full" keeps the
 layer input only and runs the layer again in backward, "attention-kept" keeps the layer input and attention's
 output and logsumexp and runs the layer again in backward except attention's forward (keeping.attention_kept):
-at long context, where attention's forward is most of a layer's, the cheapest way to keep little. Offloading is
+at long context, where attention's forward is most of a layer's, the cheapest way to keep little. Under "full" the
+layer can also run in query tiles (`layer_tiles`, keeping.layer_tiles), so that its forward and rebuild hold one
+tile's transients instead of the whole sequence's. Offloading is
 orthogonal: any kept class can be offloaded instead (`policy("selective", offload=["mlp"])`). Which classes can
 be rebuilt together is decided by the mechanisms that exist; any other combination is a ValueError naming it.
 """
@@ -60,10 +62,15 @@ class LayerPolicy:
     # The MLP runs in this many sequence tiles, each rebuilt and differentiated on its own in backward, so its
     # transients are a tile's (keeping.tiling); only where the MLP is rebuilt anyway ("full", "attention-kept").
     mlp_tiles: int = 1
+    # The whole layer runs over this many query tiles, in forward and in its rebuild (keeping.layer_tiles): k and v
+    # for every token first, then each tile's queries, attention, out-projection and MLP; only under "full".
+    layer_tiles: int = 1
 
     def __post_init__(self):
-        if isinstance(self.mlp_tiles, bool) or not isinstance(self.mlp_tiles, int) or self.mlp_tiles < 1:
-            raise ValueError(f"policy: mlp_tiles must be an int >= 1, got {self.mlp_tiles!r}")
+        for name in ("mlp_tiles", "layer_tiles"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"policy: {name} must be an int >= 1, got {n!r}")
         for cls in CLASSES:
             action = getattr(self, cls)
             if action not in ACTIONS:
@@ -80,6 +87,12 @@ class LayerPolicy:
             raise ValueError(f"policy: mlp_tiles={self.mlp_tiles} runs the MLP again tile by tile in backward, which "
                              f"only a policy that rebuilds the MLP does (\"full\", \"attention-kept\"); "
                              f"{self.recompute!r} keeps it")
+        if self.layer_tiles > 1 and self.recompute != "full":
+            raise ValueError(f"policy: layer_tiles={self.layer_tiles} runs the whole layer again tile by tile in "
+                             f"backward, which only \"full\" does; {self.recompute!r} keeps more than the input")
+        if self.layer_tiles > 1 and self.mlp_tiles > 1:
+            raise ValueError(f"policy: mlp_tiles={self.mlp_tiles} and layer_tiles={self.layer_tiles}: a layer tile "
+                             "runs its MLP over the tile's tokens already; give one of them, not both")
         if self.recompute == "attention-kept" and self.attention == "offload":
             raise ValueError("policy: attention cannot be offloaded under \"attention-kept\" (its outputs are held "
                              "by the checkpoint's cache, outside the layer's pipeline); keep it, or offload the input")
@@ -110,6 +123,8 @@ class LayerPolicy:
             out += f", offload {'+'.join(c for c in CLASSES if c in self.offloaded)}"
         if self.mlp_tiles > 1:
             out += f", MLP in {self.mlp_tiles} tiles"
+        if self.layer_tiles > 1:
+            out += f", layer in {self.layer_tiles} tiles"
         return out
 
     def __str__(self):
@@ -128,7 +143,7 @@ class LayerPolicy:
         return hash(self.name())
 
     def _key(self):
-        return (*(getattr(self, c) for c in CLASSES), self.mlp_tiles)
+        return (*(getattr(self, c) for c in CLASSES), self.mlp_tiles, self.layer_tiles)
 
 
 NAMED = {
@@ -140,13 +155,16 @@ NAMED = {
 assert tuple(NAMED) == RECOMPUTE_MODES
 
 
-def policy(base="selective", offload=(), mlp_tiles=1):
+def policy(base="selective", offload=(), mlp_tiles=1, layer_tiles=1):
     """A LayerPolicy: a mode's policy ("none", "selective", "full", "attention-kept") with the classes in
-    `offload` offloaded and, where the MLP is rebuilt, the MLP run in `mlp_tiles` sequence tiles.
+    `offload` offloaded and, where the MLP is rebuilt, the MLP run in `mlp_tiles` sequence tiles; under "full",
+    the whole layer run in `layer_tiles` query tiles (keeping.layer_tiles).
 
     policy("selective", offload=["mlp"]) keeps everything selective keeps, the MLP's matmul outputs in host
     memory; policy("full", offload=["input"]) is whole-layer recompute with the layer inputs in host memory;
-    policy("attention-kept", offload=["input"], mlp_tiles=8) is the long-context floor.
+    policy("attention-kept", offload=["input"], mlp_tiles=8) keeps little and never runs attention's forward
+    twice; policy("full", offload=["input"], layer_tiles=64) keeps the least of all: a layer's working set is
+    its input, k and v and one tile's.
     """
     p = resolve(base)
     if isinstance(offload, str):
@@ -160,7 +178,7 @@ def policy(base="selective", offload=(), mlp_tiles=1):
         if getattr(p, cls) == "rebuild":
             raise ValueError(f"offload: {cls} is rebuilt under {p.recompute!r}, so there is nothing of it to offload")
         changes[cls] = "offload"
-    return dataclasses.replace(p, **changes, mlp_tiles=mlp_tiles)
+    return dataclasses.replace(p, **changes, mlp_tiles=mlp_tiles, layer_tiles=layer_tiles)
 
 
 def resolve(value, name="policy"):

@@ -87,9 +87,16 @@ def convert(model, recompute="selective", plan=None):
 def _check_tiles(layers, patches, spec, layer_policy):
     """A policy that runs the MLP in tiles needs every layer's MLP forward to tile: else the error, before any
     change."""
+    child = hf.mlp_child(spec)
+    if layer_policy.layer_tiles > 1:
+        for layer in layers:
+            mlp = getattr(layer, child, None)
+            if mlp is not None and hasattr(mlp, "experts"):
+                raise ConversionError(f"{type(layer).__name__}.{child} ({type(mlp).__name__}) is a mixture of experts: "
+                                      f"recompute={str(layer_policy)!r} cannot run its layers in "
+                                      f"{layer_policy.layer_tiles} tiles; use mlp_tiles for this model")
     if layer_policy.mlp_tiles == 1:
         return
-    child = hf.mlp_child(spec)
     planned = {id(module): forward for module, forward in patches}
     for layer in layers:
         mlp = getattr(layer, child)

@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from .. import rng
+from ..keeping import layer_tiles
 from ..ops.attention import attention
 from ..storages import is_fake, storage_bytes, storage_id
 from .errors import ConversionError
@@ -392,6 +393,10 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     for unsupported in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
             raise ConversionError(f"{name}: {unsupported} is not supported by selective_ckpt.attention")
+    tile = layer_tiles.current()
+    if tile is not None:
+        return _tile_attention(module, name, tile, query, key, value, attention_mask, dropout, scaling, is_causal,
+                               kwargs)
     if weights_requested(module, kwargs):
         return _eager_attention(module, name, query, key, value, attention_mask, dropout, scaling, **kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
@@ -435,4 +440,54 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
         dead = rows_attending_nothing(pad, window)
         if bool(dead.any()):
             o = _as_eager_on_rows_attending_nothing(o, query, key, value, dead, scaling, kwargs.get("softcap"))
+    return o.transpose(1, 2), None
+
+
+def _documents_before(cu, end):
+    """cu_seqlens of the keys [0, end): the document offsets below `end`, then `end`."""
+    return torch.cat([cu[cu < end], torch.tensor([end], dtype=cu.dtype, device=cu.device)])
+
+
+def _tile_attention(module, name, tile, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    """Attention inside a layer run over query tiles (keeping.layer_tiles): in pass 1 hands back the tile's k, v in
+    attention's dtype and stops the layer's forward; in pass 2 attends the tile's queries to the keys up to the
+    tile's end (the layer's K, V), query row i at key position start + i. Masks are the whole sequence's, described
+    once; what cannot run in tiles is a ValueError naming it (there is no other attention to fall back on here)."""
+    if weights_requested(module, kwargs):
+        raise ValueError(f"{name}: a layer run in tiles (layer_tiles) cannot return attention weights; use a policy "
+                         "without layer_tiles for calls that ask for them")
+    if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+        raise ValueError(f"{name}: layer_tiles needs causal self-attention")
+    B, H, Sq, _ = query.shape
+    if Sq != tile.end - tile.start or key.shape[2] != Sq:
+        raise ValueError(f"{name}: layer_tiles needs self-attention over the tile's own tokens (Sq = Sk = "
+                         f"{tile.end - tile.start}), got Sq={Sq}, Sk={key.shape[2]} (a kv cache or a prefix)")
+    dtype = _compute_dtype(query)
+    if tile.mode == "capture":
+        tile.captured = (key.to(dtype), value.to(dtype))
+        raise layer_tiles.Captured()
+    window = kwargs.get("sliding_window") or None
+    pad = cu = None
+    if attention_mask is not None and not (is_fake(attention_mask) and not torch.compiler.is_compiling()):
+        try:
+            pad, cu = _cached_describe(attention_mask, B, tile.length, window, name, H)
+        except Inexpressible as e:
+            raise ValueError(f"{e}; layer_tiles runs only masks our kernel expresses") from None
+    cu_kw = _cu_seqlens(kwargs, name)
+    if cu_kw is not None:
+        if pad is not None:
+            raise ConversionError(f"{name}: cu_seq_lens_q cannot be combined with padding")
+        cu = cu_kw
+    end = tile.end
+    if pad is not None:
+        if reference_attention(module).startswith("eager") and bool(rows_attending_nothing(pad, window).any()):
+            raise ValueError(f"{name}: this padded batch has rows that attend nothing, which the unconverted model's "
+                             "eager attention fills with the mean of v; layer_tiles does not reproduce that (pad on "
+                             "the right, or use a policy without layer_tiles)")
+        pad = pad[:, :end]
+    if cu is not None:
+        cu = _documents_before(cu, end)
+    seed = tile.attention_seed(rng.draw_seed_tensor(query.device)) if dropout > 0 else None
+    o = attention(query.to(dtype), tile.keys, tile.values, True, float(dropout), scaling, pad, seed,
+                  sliding_window=window, cu_seqlens=cu, softcap=kwargs.get("softcap"), q_offset=tile.start)
     return o.transpose(1, 2), None

@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..keeping import pipeline
+from ..keeping import layer_tiles, pipeline
 from ..keeping.attention_kept import attention_kept_checkpoint
 from ..keeping.policy import CHECKPOINTED, NAMED, resolve
 from ..registry import STATE
@@ -90,8 +90,9 @@ class ConvertedLayerState:
         not the attention-kept checkpoint this policy installed)."""
         layer, mode = self.layer, self._policy.recompute
         if getattr(layer, "gradient_checkpointing", False):
-            ours = mode == "full" or (mode == "attention-kept" and
-                                      getattr(layer, "_gradient_checkpointing_func", None) is attention_kept_checkpoint)
+            func = getattr(layer, "_gradient_checkpointing_func", None)
+            ours = (mode == "full" and (self._policy.layer_tiles == 1 or layer_tiles.is_layer_tiles(func))) or (
+                mode == "attention-kept" and func is attention_kept_checkpoint)
             return self._policy if ours else NAMED["full"]
         return self._policy if mode not in CHECKPOINTED else NAMED["selective"]
 
@@ -99,6 +100,7 @@ class ConvertedLayerState:
     def policy(self, value):
         value = resolve(value)
         mlp = self._mlp_running_in(value.mlp_tiles)  # refused before anything changes
+        self._check_layer_tiles(value.layer_tiles)
         if mlp is not None:
             # on the MLP module itself: the layer's re-run in backward (transformers' checkpoint of the class's
             # forward) calls it without passing through this layer's wrapper
@@ -106,12 +108,13 @@ class ConvertedLayerState:
         self.full_asked = value.recompute in CHECKPOINTED  # not transformers' checkpointing switched on around us
         layer = self.layer
         current = getattr(layer, "_gradient_checkpointing_func", None)
-        if current is attention_kept_checkpoint and value.recompute != "attention-kept":
+        ours = current is attention_kept_checkpoint or layer_tiles.is_layer_tiles(current)
+        if ours:  # the user's checkpoint function is back when the policy no longer installs ours
             current = layer._gradient_checkpointing_func = getattr(self, "replaced_checkpoint", None)
-        if value.recompute == "attention-kept":
-            if current is not attention_kept_checkpoint:
-                self.replaced_checkpoint = current  # the user's checkpoint function, back when the policy changes
-            layer._gradient_checkpointing_func = attention_kept_checkpoint
+        if value.recompute == "attention-kept" or value.layer_tiles > 1:
+            self.replaced_checkpoint = current
+            layer._gradient_checkpointing_func = (attention_kept_checkpoint if value.recompute == "attention-kept"
+                                                  else layer_tiles.checkpoint_for(value.layer_tiles))
         elif value.recompute == "full" and current is None:
             layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
         layer.gradient_checkpointing = self.full_asked
@@ -133,6 +136,18 @@ class ConvertedLayerState:
                              "with mlp_tiles=1")
         raise ValueError(f"{asked} cannot apply: its MLP {self.mlp_child} ({type(mlp).__name__}) has a forward that "
                          "does not run in tiles; give this layer a policy with mlp_tiles=1")
+
+    def _check_layer_tiles(self, tiles):
+        """The ValueError naming the layer when `tiles` > 1 and the layer cannot run in query tiles: a mixture of
+        experts (transformers collects its router logits once per call of the router, which tiles would split)."""
+        if tiles == 1:
+            return
+        name = getattr(self, "mlp_child", None)
+        mlp = getattr(self.layer, name, None) if name else None
+        if mlp is not None and hasattr(mlp, "experts"):
+            raise ValueError(f"{self.name}: the policy's layer_tiles={tiles} cannot apply: its MLP {name} "
+                             f"({type(mlp).__name__}) is a mixture of experts, whose router logits transformers "
+                             "collects per call; give this layer mlp_tiles instead")
 
     @property
     def recompute(self):
