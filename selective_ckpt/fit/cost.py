@@ -58,6 +58,8 @@ def step_cost(config, form):
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     ffn = mlp // (3 * hidden) if mlp else 4 * hidden  # gated: three matmuls of h x f a token
+    # attention's weights but the out-projection's (heads x head_dim -> hidden): q, k and v
+    qkv = max(weights - mlp - heads * head_dim * hidden, 0)
     L = config.num_hidden_layers
     quantized = weights if form.kind == "qlora" else 0
     if form.kind == "full":
@@ -70,7 +72,7 @@ def step_cost(config, form):
     # autocast casts each fp32 base weight to the compute dtype at every pass (4 bytes read, elem written)
     cast = weights * (4 + elem) if form.autocast is not None and form.weights == torch.float32 and not quantized else 0
     return StepCost(hidden=hidden, ffn=ffn, heads=heads, head_dim=head_dim, spans=_spans(config),
-                    layer_weights=weights, mlp_weights=mlp, lora_weights=lora, lora_io=lora_io, cast_bytes=cast,
-                    head_weights=head_weights,
+                    layer_weights=weights, mlp_weights=mlp, qkv_weights=qkv, lora_weights=lora, lora_io=lora_io,
+                    cast_bytes=cast, head_weights=head_weights,
                     trained_base=form.kind == "full", quantized_weights=quantized, trained_weights=trained,
                     dtype=form.compute, elem=elem)

@@ -354,6 +354,7 @@ def main(argv=None):
                    help="recompute mode: none, selective, full, attention-kept, or transformers (not converted) "
                         "(default: %(default)s)")
     p.add_argument("--mlp-tiles", type=int, default=1, help="the MLP's sequence tiles (full, attention-kept)")
+    p.add_argument("--layer-tiles", type=int, default=1, help="the whole layer's query tiles (full)")
     p.add_argument("--contexts", default="128K,512K",
                    help="two contexts, comma-separated (default: %(default)s)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers simulated (default: %(default)s)")
@@ -368,10 +369,10 @@ def main(argv=None):
         if len(contexts) != 2 or "max" in contexts:
             raise ValueError(f"--contexts: two numbers of tokens, got {a.contexts!r}")
         policy = a.policy
-        if a.mlp_tiles != 1:
+        if a.mlp_tiles != 1 or a.layer_tiles != 1:
             from ..keeping import policy as make_policy
 
-            policy = make_policy(a.policy, mlp_tiles=a.mlp_tiles)
+            policy = make_policy(a.policy, mlp_tiles=a.mlp_tiles, layer_tiles=a.layer_tiles)
         t0 = time.perf_counter()
         origins = growing_allocations(a.config, form_from_arguments(a), contexts, policy, a.batch, a.layers)
         took = time.perf_counter() - t0

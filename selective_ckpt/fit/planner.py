@@ -3,7 +3,8 @@ predicted step time that fits a GPU and a pinned host budget.
 
 Candidates are keeping.LayerPolicy objects: each recompute mode ("none", "selective", "attention-kept", "full")
 with any set of the classes it keeps offloaded (attention's outputs are never offloaded under "attention-kept"),
-and for the modes that rebuild the MLP, the MLP in tiles of about a hidden size of tokens. A plan runs one policy
+and for the modes that rebuild the MLP, the MLP in tiles of about a hidden size of tokens; under "full" also the
+whole layer in such tiles (keeping.layer_tiles; not for mixtures of experts). A plan runs one policy
 on its first k layers and another on the rest (the layers are alike, so two suffice), with the offload engine's
 prefetch depth 1 or 2. The memory of each plan is the fit's projection of simulated steps (arithmetic.py: the
 kinds a plan runs are simulated, the offloaded classes' bytes are the estimate's, which the ledger measures); its
@@ -104,6 +105,27 @@ def default_tiles(tokens, hidden):
     return n
 
 
+def is_mixture_of_experts(config):
+    """Whether the config's MLPs are mixtures of experts (which do not run in layer tiles)."""
+    return any(getattr(config, a, None) for a in ("num_local_experts", "num_experts", "n_routed_experts",
+                                                  "moe_num_experts"))
+
+
+def _tiled_kinds(mode, tiles, layer_tiles):
+    """The simulated kinds of `mode`: untiled, its MLP in `tiles` tiles where it rebuilds the MLP, and under "full"
+    the whole layer in `tiles` tiles where `layer_tiles`."""
+    if mode not in CHECKPOINTED or tiles == 1:
+        return (mode,)
+    kinds = (mode, keeping.policy(mode, mlp_tiles=tiles))
+    if mode == "full" and layer_tiles:
+        kinds += (keeping.policy(mode, layer_tiles=tiles),)
+    return kinds
+
+
+def _tiles(kind, field):
+    return getattr(kind, field) if isinstance(kind, keeping.LayerPolicy) else 1
+
+
 @dataclasses.dataclass
 class _Candidate:
     policy: keeping.LayerPolicy
@@ -122,17 +144,18 @@ def _candidates(proj, seq_len, rates=None):
     cost = model.cost
     times = timing.layer_times(cost, rates, tokens, seq_len) if rates is not None else None
     tiles = default_tiles(tokens, cost.hidden)
+    layer_tiles = tiles > 1 and not is_mixture_of_experts(model.config)
     out = []
     for mode in MODES:
         per_token = model.class_bytes(mode)
         base = keeping.resolve(mode)
         offloadable = [c for c in keeping.CLASSES if base.action(c) == "keep" and per_token.get(c)
                        and not (mode == "attention-kept" and c == "attention")]
-        for n in sorted({1, tiles}) if mode in CHECKPOINTED else (1,):
-            kind = mode if n == 1 else keeping.policy(mode, mlp_tiles=n)
+        for kind in _tiled_kinds(mode, tiles, layer_tiles):
             for r in range(len(offloadable) + 1):
                 for offload in itertools.combinations(offloadable, r):
-                    policy = keeping.policy(mode, offload=list(offload), mlp_tiles=n)
+                    policy = keeping.policy(mode, offload=list(offload), mlp_tiles=_tiles(kind, "mlp_tiles"),
+                                            layer_tiles=_tiles(kind, "layer_tiles"))
                     to_host = int(sum(per_token[c] for c in offload) * tokens)
                     first = to_host
                     if "input" in offload and mode not in CHECKPOINTED and model.form.kind != "full":
@@ -140,7 +163,7 @@ def _candidates(proj, seq_len, rates=None):
                     if times is None:
                         out.append(_Candidate(policy, kind, to_host, first, 0.0, 0.0))
                     else:
-                        out.append(_Candidate(policy, kind, to_host, first, times.forward,
+                        out.append(_Candidate(policy, kind, to_host, first, timing.forward_time(times, policy),
                                               times.backward + timing.rebuild_time(times, policy)))
     return out
 
@@ -251,7 +274,8 @@ def search(proj, seq_len, gpu_bytes, host_bytes, rates):
     _, _, (fwd, bwd) = _evaluate(proj, seq_len, layout, prefetch, rates, fixed_time)
     policies = [c.policy for c, n in layout for _ in range(n)]
     if layout[-1][1] == 1 and policies[-1].offloaded:  # the last layer's copy is never issued: it keeps
-        policies[-1] = keeping.policy(policies[-1].recompute, mlp_tiles=policies[-1].mlp_tiles)
+        policies[-1] = keeping.policy(policies[-1].recompute, mlp_tiles=policies[-1].mlp_tiles,
+                                      layer_tiles=policies[-1].layer_tiles)
     times = {"forward": fwd, "backward": bwd, "loss head": timing.head_time(cost, rates, tokens,
                                                                           model.config.vocab_size),
              "optimizer": timing.optimizer_time(cost, rates)}

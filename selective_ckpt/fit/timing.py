@@ -28,7 +28,7 @@ import torch
 MLP_CHILDREN = ("mlp", "feed_forward", "block_sparse_moe", "moe")
 ADAMW_BYTES = 28  # AdamW per trained fp32 weight: reads weight, gradient and two states, writes three
 DEQUANT_BYTES = 2.5  # NF4 to bf16: half a byte read, two written per weight
-TILE_OVERHEAD = 20e-6  # seconds of launches per MLP tile and pass
+TILE_OVERHEAD = 20e-6  # seconds of launches per tile (MLP or layer) and pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class StepCost:
     hidden, ffn: the layer's widths (ffn: the MLP's intermediate a token runs through, top_k experts' for a MoE);
     heads, head_dim; spans: for each decoder layer, None (full causal attention) or its sliding window;
     layer_weights: base weights a token meets in one decoder layer (MACs per token), of them mlp_weights in the
-    MLP; lora_weights: LoRA's, lora_io: the elements per token PEFT's adapters read and write around their matmuls;
+    MLP and qkv_weights in the q, k, v projections; lora_weights: LoRA's, lora_io: the elements per token PEFT's adapters read and write around their matmuls;
     cast_bytes: bytes autocast's weight casts move per layer and pass; head_weights: the output head's;
     trained_base: whether the base weights are
     trained (full fine-tune); quantized_weights: 4-bit base weights per layer (dequantized at each pass);
@@ -52,6 +52,7 @@ class StepCost:
     spans: tuple
     layer_weights: int
     mlp_weights: int
+    qkv_weights: int
     lora_weights: int
     lora_io: int
     cast_bytes: int
@@ -80,13 +81,15 @@ class StepCost:
 @dataclasses.dataclass
 class LayerTimes:
     """Seconds of one decoder layer: forward, backward (without rebuild), attention's own forward (what
-    "attention-kept" does not run again), the MLP's forward matmuls, the selective rebuild's elementwise work."""
+    "attention-kept" does not run again), the MLP's forward matmuls, the selective rebuild's elementwise work, the
+    q, k, v projections' forward (what layer tiles run again to rebuild k and v)."""
 
     forward: float
     backward: float
     attention_forward: float
     mlp_forward: float
     selective_rebuild: float
+    qkv_forward: float = 0.0
 
 
 def layer_times(cost, rates, tokens, seq_len):
@@ -105,7 +108,15 @@ def layer_times(cost, rates, tokens, seq_len):
     backward = (base * (2 if cost.trained_base else 1) + 2 * lora + attn_bwd + 2 * elementwise + dequant) / e + \
         rates.layer_overhead
     selective = tokens * 3 * (2 * cost.hidden + cost.ffn) * cost.elem / rates.bandwidth / e
-    return LayerTimes(forward, backward, attn_fwd / e, 2 * tokens * cost.mlp_weights / mm / e, selective)
+    qkv = (base + lora + dequant) * cost.qkv_weights / max(cost.layer_weights, 1) / e
+    return LayerTimes(forward, backward, attn_fwd / e, 2 * tokens * cost.mlp_weights / mm / e, selective, qkv)
+
+
+def forward_time(times, policy):
+    """Seconds of a layer's forward under `policy`: layer tiles first run every tile up to attention for K and V."""
+    if policy.layer_tiles > 1:
+        return times.forward + times.qkv_forward + 2 * policy.layer_tiles * TILE_OVERHEAD
+    return times.forward
 
 
 def rebuild_time(times, policy):
@@ -115,6 +126,10 @@ def rebuild_time(times, policy):
            "attention-kept": times.forward - times.attention_forward}[mode]
     if policy.mlp_tiles > 1:
         out += times.mlp_forward + 2 * policy.mlp_tiles * TILE_OVERHEAD
+    if policy.layer_tiles > 1:
+        # K, V again (without gradients), each tile's whole forward, then the q, k, v projections once more with
+        # gradients for dK, dV's way back (their backward: about one more such forward)
+        out += 3 * times.qkv_forward + 3 * policy.layer_tiles * TILE_OVERHEAD
     return out
 
 
