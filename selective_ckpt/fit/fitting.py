@@ -4,6 +4,9 @@ the time model (timing.py, rates.py) and the planner's plan (plan.py) for a GPU 
 import collections
 import dataclasses
 
+import torch
+from torch import nn
+
 from .. import keeping
 from ..validation import check_positive_int
 from . import timing
@@ -26,6 +29,8 @@ from .arithmetic import (
     _Projection,
     _variants,
 )
+from .cards import default_host_bytes, is_card, parse_bytes
+from .configs import load_config, require
 from .forms import TrainingForm
 from .planner import PlanError, search, uniform_candidates
 from .rates import Rates, rates_for
@@ -140,8 +145,6 @@ def variants(proj, seq_len, gpu_bytes=None, host_bytes=None, rates=None, names=V
 def predict(config, batch, seq_len, form=None, names=VARIANTS, rates=None):
     """{variant name: Variant} (its `peak` and `phases` in bytes, and with `rates` (a card name or Rates) its
     predicted step time) of one step at `batch` x `seq_len`; "ours plan" needs a budget (fit) and is left out."""
-    from .configs import load_config, require
-
     check_positive_int(batch, "batch")
     check_positive_int(seq_len, "seq_len")
     form = _form(form)
@@ -192,8 +195,6 @@ def fit(config, gpu_bytes, batch=1, seq_len="max", form=None, host_bytes=None, r
     GPU holds less than the weights and optimizer state alone. The simulated steps of the last few configs
     and forms are kept, so another budget or context of the same config and form costs no simulation there.
     """
-    from .configs import load_config, require
-
     config = load_config(config)
     form = _form(form)
     if form.kind != "full":
@@ -364,9 +365,6 @@ def plan(model_or_config, gpu, host=None, batch=1, seq_len=None, form=None, auto
 
     Raises PlanError (a ValueError) naming the least GPU memory any plan needs when none fits.
     """
-    from .cards import default_host_bytes, is_card, parse_bytes
-    from .configs import load_config, require
-
     check_positive_int(batch, "batch")
     check_positive_int(seq_len, "seq_len")
     gpu_bytes = parse_bytes(gpu) if isinstance(gpu, str) else gpu
@@ -381,8 +379,6 @@ def plan(model_or_config, gpu, host=None, batch=1, seq_len=None, form=None, auto
     if rates is None and isinstance(gpu, str) and is_card(gpu):
         rates = gpu
     rates = rates_for(rates)
-    from torch import nn
-
     if isinstance(model_or_config, nn.Module):
         if form is not None:
             raise ValueError("form is read from the model; pass form only with a config")
@@ -403,8 +399,6 @@ def form_of(model, autocast=None):
     """(config, TrainingForm) of a transformers model as it trains: LoRA adapters (PEFT's lora_A) give kind "lora"
     with their rank, targets and dropout, 4-bit bases (bitsandbytes' Linear4bit) "qlora"; the weights' dtype is
     the embedding's."""
-    import torch
-
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(root, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):

@@ -98,8 +98,8 @@ def _slice_argument(value, start, end, length, name):
         if value.dim() == 1 and value.shape[0] == length:
             return value.narrow(0, start, end - start)
         if length in value.shape:
-            raise ValueError(f"layer tiles: the layer's argument {name} of shape {list(value.shape)} has a dimension of "
-                             f"the sequence's length {length} that is not its second; it cannot be cut into tiles")
+            raise ValueError(f"layer tiles: the layer's argument {name} of shape {list(value.shape)} has a dimension "
+                             f"of the sequence's length {length} that is not its second; it cannot be cut into tiles")
         return value
     if isinstance(value, (tuple, list)):
         return type(value)(_slice_argument(v, start, end, length, name) for v in value)
