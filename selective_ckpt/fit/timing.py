@@ -38,7 +38,8 @@ class StepCost:
     hidden, ffn: the layer's widths (ffn: the MLP's intermediate a token runs through, top_k experts' for a MoE);
     heads, head_dim; spans: for each decoder layer, None (full causal attention) or its sliding window;
     layer_weights: base weights a token meets in one decoder layer (MACs per token), of them mlp_weights in the
-    MLP and qkv_weights in the q, k, v projections; lora_weights: LoRA's, lora_io: the elements per token PEFT's adapters read and write around their matmuls;
+    MLP and qkv_weights in the q, k, v projections; lora_weights: LoRA's, lora_io: the elements per token PEFT's
+    adapters read and write around their matmuls;
     cast_bytes: bytes autocast's weight casts move per layer and pass; head_weights: the output head's;
     trained_base: whether the base weights are
     trained (full fine-tune); quantized_weights: 4-bit base weights per layer (dequantized at each pass);
