@@ -153,13 +153,14 @@ if [ "$EARLIER" = 0 ]; then
   step offload 140 "$DEST/offload.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
     --seq-len 16384,32768 --json "$DEST/offload.json" \
     --policies "selective;selective, offload mlp;full, offload input"
-  # Long context, 2 of 3: attention kept (never recomputed) against whole-layer recompute.
-  step long-context 70 "$DEST/long_context.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
-    --seq-len 65536 --json "$DEST/long_context.json" --policies "attention-kept;full"
+  # Long context, 2 of 3: attention kept (never recomputed) against whole-layer recompute, untiled and in layer tiles.
+  step long-context 100 "$DEST/long_context.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
+    --seq-len 65536 --json "$DEST/long_context.json" \
+    --policies "attention-kept;full;full, offload input, layer in 16 tiles"
   # Long context, 3 of 3: the planner's plan for an 80 GB card (emulated) and 256 GB of pinned host memory against
   # transformers' checkpointing (and its offload) and whole-layer recompute with offloaded inputs, each row's
   # predicted peak and step time (the shipped H200 rates) beside the measured.
-  step plan 250 "$DEST/plan.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
+  step plan 220 "$DEST/plan.log" "$PY" -m selective_ckpt.bench.offload "${OFFLOAD_ARGS[@]}" \
     --seq-len 16384,32768,65536 --gpu 80GiB --host 256GB --rates H200 --predict --json "$DEST/plan.json" \
     --policies "plan;transformers + gradient checkpointing;transformers + offloaded checkpointing;full, offload input"
   [ "$DRY" = 1 ] && exit "$FAILED"

@@ -40,6 +40,7 @@ POLICIES = {
     "full, offload input": policy("full", offload=["input"]),
     "attention-kept": policy("attention-kept"),
     "attention-kept, offload input": policy("attention-kept", offload=["input"]),
+    "full, offload input, layer in 16 tiles": policy("full", offload=["input"], layer_tiles=16),
 }
 _GIB = 2 ** 30
 # rows that are no policy of ours: the planner's plan, and transformers' own checkpointing
