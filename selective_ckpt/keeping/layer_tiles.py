@@ -169,6 +169,17 @@ class LayerTiles:
         return stack
 
 
+def _into(buffer, part, dim, start, end, length):
+    """`part` written into rows [start, end) of `buffer` along `dim` (allocated at the first part, `length` rows):
+    the whole is assembled in place, never held twice as by a concatenation of the parts."""
+    if buffer is None:
+        shape = list(part.shape)
+        shape[dim] = length
+        buffer = part.new_empty(shape)
+    buffer.narrow(dim, start, end - start).copy_(part)
+    return buffer
+
+
 def _rng_state(x):
     return torch.get_rng_state(), get_device_states(x)
 
@@ -205,22 +216,22 @@ class _TiledLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run, x, *params):
-        keys, values, states_kv, states_tile = [], [], [], []
+        states_kv, states_tile = [], []
+        K = V = y = None
         for start, end in run.bounds:
             states_kv.append(_rng_state(x))
             k, v = run.keys_values(run.rows(x, start, end), start, end)
-            keys.append(k)
-            values.append(v)
-        K, V = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-        del keys, values
-        outs = []
+            K, V = _into(K, k, 2, start, end, run.length), _into(V, v, 2, start, end, run.length)
+            del k, v
         for start, end in run.bounds:
             states_tile.append(_rng_state(x))
-            outs.append(run.tile(run.rows(x, start, end), start, end, K[:, :, :end], V[:, :, :end]))
+            out = run.tile(run.rows(x, start, end), start, end, K[:, :, :end], V[:, :, :end])
+            y = _into(y, out, TOKEN_DIM, start, end, run.length)
+            del out
         del K, V
         ctx.run, ctx.states_kv, ctx.states_tile = run, states_kv, states_tile
         ctx.save_for_backward(x)
-        return torch.cat(outs, dim=TOKEN_DIM)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -228,15 +239,13 @@ class _TiledLayer(torch.autograd.Function):
         run = ctx.run
         dy = dy.contiguous()
         with run.autocast_context():
+            K = V = None
             with torch.no_grad():
-                keys, values = [], []
                 for (start, end), state in zip(run.bounds, ctx.states_kv):
                     with _rng_restored(state, run.device_type):
                         k, v = run.keys_values(run.rows(x, start, end), start, end)
-                    keys.append(k)
-                    values.append(v)
-                K, V = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-                del keys, values
+                    K, V = _into(K, k, 2, start, end, run.length), _into(V, v, 2, start, end, run.length)
+                    del k, v
             dK = torch.zeros(K.shape, dtype=torch.float32, device=K.device)
             dV = torch.zeros(V.shape, dtype=torch.float32, device=V.device)
             dx = torch.zeros_like(x) if x.requires_grad else None
