@@ -76,6 +76,10 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     the attention and on the MLP output before each residual add, four norms a layer): each keeps its
     input, a matmul output (o_proj's t*h*e, down_proj's t*h*e_mlp), and its rstd, t*4 each. Their
     outputs feed RoPE or a residual add, which keep none of them, so "none" adds nothing for them.
+    `qk_norm="rotated"` (HunYuan: an RMSNorm per head on q and k after RoPE): the norms' inputs are the rotated
+    q, k, and attention reads their outputs, rebuilt, so the layer adds only the fp32 rstd per head and token,
+    t*(H + Hkv)*4; "none" keeps the outputs too, t*(H + Hkv)*D*e. RoPE's tables have the residual stream's
+    dtype, so under autocast the rotated q, k (and those outputs) count in `residual_dtype`.
 
     `moe` (memory.MoE): the layer's MLP is a sparse mixture of experts instead of one gated MLP; its
     parts (routed rows, router, shared expert; see MoE) replace gate_out and up_out.
@@ -90,9 +94,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     recompute = layer_policy.recompute
     if breakdown not in (False, True, "class", "class-last"):
         raise ValueError(f"breakdown must be False, True, 'class' or 'class-last', got {breakdown!r}")
-    if qk_norm not in (None, False, True, "projection"):
-        raise ValueError(f"qk_norm must be None, True (per head) or 'projection' (q/k norms over the whole "
-                         f"projection), got {qk_norm!r}")
+    if qk_norm not in (None, False, True, "projection", "rotated"):
+        raise ValueError(f"qk_norm must be None, True (per head), 'projection' (q/k norms over the whole "
+                         f"projection) or 'rotated' (per head after RoPE), got {qk_norm!r}")
     if not isinstance(norm_stats, bool):
         raise TypeError(f"norm_stats must be a bool, got {type(norm_stats).__name__}")
     if scalar_multipliers != 0:
@@ -145,6 +149,14 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         if qk_norm is True:
             parts.update(qk_norm_in=t * (num_heads + kv_heads) * head_dim * e,
                          qk_norm_stats=t * (num_heads + kv_heads) * acc)
+        if qk_norm == "rotated":
+            # RoPE multiplies q, k by tables of the residual stream's dtype: under autocast the rotated q, k (the
+            # norms' inputs, and "none"'s outputs) are fp32, v stays in `dtype`
+            eq = max(e, er)
+            parts["qkv"] = t * ((num_heads + kv_heads) * head_dim * eq + kv_heads * head_dim * e)
+            parts["qk_norm_stats"] = t * (num_heads + kv_heads) * acc
+            if recompute == "none":
+                parts["qk_norm_out"] = t * (num_heads + kv_heads) * head_dim * eq
         if post_norms:
             parts.update(attn_out=t * h * e, mlp_out=t * h * em, post_norm_stats=2 * t * acc)
         rng.threshold(dropout, "dropout")

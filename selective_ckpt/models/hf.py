@@ -49,8 +49,9 @@ _ACTIVATION_CHILD = {"gate_up": 3, "fc": 1, "packed_gate_up": 2}  # index of the
 # "sandwich" (Gemma2/3): x1 = x + post_norm(attn(pre_norm(x))), y = x1 + post_norm(mlp(pre_norm(x1))), four
 # norms, whose post-norms keep o_proj's and down_proj's outputs (post_norms=True).
 RESIDUALS = ("pre-norm", "parallel", "post-norm", "sandwich")
-# q/k norms (ModelSpec.qk_norm): per head over head_dim (Qwen3), or over the whole q_proj / k_proj output (OLMo2)
-QK_NORMS = (False, True, "projection")
+# q/k norms (ModelSpec.qk_norm): per head over head_dim (Qwen3), or over the whole q_proj / k_proj output (OLMo2),
+# or per head on q and k after RoPE ("rotated", HunYuan: attention reads the norms' outputs, rebuilt)
+QK_NORMS = (False, True, "projection", "rotated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,8 @@ class ModelSpec:
     shape: object  # shape reader (layer, config, spec) -> LayerShape fields (memory.planner)
     residual: str = "pre-norm"
     qk_norm: object = False  # attention holds q_norm and k_norm (of the spec's norm class): True per head,
-    # "projection" over the whole q_proj / k_proj output
+    # "projection" over the whole q_proj / k_proj output, "rotated" per head after RoPE
+    qk_norm_children: tuple = ("q_norm", "k_norm")  # the attention's q and k norm children, when qk_norm
     dropout: bool = False  # every nn.Dropout of the model keeps a seed instead of a mask
     check: object = None  # extra checks (root, name) raising ConversionError, or None
     patches: object = None  # extra patches (root) -> [(module, forward), ...] after the checks, or None
@@ -217,7 +219,7 @@ def plan(root, spec, model_type):
     if not layers:
         raise ConversionError(f"{name} holds no {spec.layer}")
     expected = {"norm": spec.norm.cls, "attention": spec.attention, "mlp": spec.mlp.cls, "dropout": nn.Dropout}
-    attention_children = spec.attention_children + (("q_norm", "k_norm") if spec.qk_norm else ())
+    attention_children = spec.attention_children + (spec.qk_norm_children if spec.qk_norm else ())
     for lname, layer in layers:
         check_children(layer, lname, [c for c, _ in spec.children], model_type)
         for child, role in spec.children:
@@ -240,7 +242,7 @@ def plan(root, spec, model_type):
     qk_norms = set()
     if spec.qk_norm:
         attn = _child_of_role(spec, "attention")
-        qk_norms = {id(getattr(getattr(layer, attn), n)) for _, layer in layers for n in ("q_norm", "k_norm")}
+        qk_norms = {id(getattr(getattr(layer, attn), n)) for _, layer in layers for n in spec.qk_norm_children}
     patches = [(m, _norm_forward(spec.norm, "qkv" if id(m) in qk_norms else "residual"))
                for _, m in modules_of(root, spec.norm.cls)]
     if spec.dropout:
