@@ -128,7 +128,8 @@ Isa best_isa() {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr_t cu, int64_t ndocs, bool causal,
-                     int64_t window, double scale, double softcap, uintptr_t seed, int64_t t16, double keep_scale) {
+                     int64_t window, double scale, double softcap, uintptr_t seed, int64_t t16, double keep_scale,
+                     int64_t q_offset) {
   Problem p{};
   p.B = sizes[0];
   p.H = sizes[1];
@@ -139,8 +140,12 @@ Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr
   if (p.B < 0 || p.H < 1 || p.Hkv < 1 || p.H % p.Hkv != 0 || p.Sq < 0 || p.Sk < 0 || p.D < 1)
     throw std::invalid_argument("attention: bad sizes (need H % Hkv == 0, D >= 1)");
   if (t16 < 0 || t16 > 65535) throw std::invalid_argument("attention: t16 must be in [0, 65535]");
-  if (cu != 0 && (p.B != 1 || p.Sq != p.Sk || ndocs < 1))
-    throw std::invalid_argument("attention: cu_seqlens needs B == 1, Sq == Sk and at least one document");
+  if (q_offset < 0 || (q_offset > 0 && q_offset + p.Sq > p.Sk))
+    throw std::invalid_argument("attention: q_offset must be >= 0 with q_offset + Sq <= Sk");
+  p.q_offset = q_offset;
+  if (cu != 0 && (p.B != 1 || (q_offset == 0 && p.Sq != p.Sk) || ndocs < 1))
+    throw std::invalid_argument("attention: cu_seqlens needs B == 1, Sq + q_offset <= Sk (Sq == Sk without an "
+                                "offset) and at least one document");
   p.G = p.H / p.Hkv;
   p.Dp = ceil_div(p.D, 16) * 16;
   p.BM = g_block_q;
@@ -166,8 +171,8 @@ Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr
 void attention_forward(int dtype, std::array<int64_t, 6> sizes, uintptr_t q, Strides qs, uintptr_t k, Strides ks,
                        uintptr_t v, Strides vs, uintptr_t o, Strides os, uintptr_t lse, uintptr_t pad, uintptr_t cu,
                        int64_t ndocs, bool causal, int64_t window, double scale, double softcap, uintptr_t seed,
-                       int64_t t16, double keep_scale) {
-  Problem p = make_problem(sizes, pad, cu, ndocs, causal, window, scale, softcap, seed, t16, keep_scale);
+                       int64_t t16, double keep_scale, int64_t q_offset) {
+  Problem p = make_problem(sizes, pad, cu, ndocs, causal, window, scale, softcap, seed, t16, keep_scale, q_offset);
   p.q = as_ptr<const void>(q);
   p.k = as_ptr<const void>(k);
   p.v = as_ptr<const void>(v);
@@ -201,8 +206,9 @@ void attention_forward(int dtype, std::array<int64_t, 6> sizes, uintptr_t q, Str
 void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout, uintptr_t q, Strides qs, uintptr_t k,
                         Strides ks, uintptr_t v, Strides vs, uintptr_t o, Strides os, uintptr_t lse, uintptr_t pad,
                         uintptr_t cu, int64_t ndocs, bool causal, int64_t window, double scale, double softcap,
-                        uintptr_t seed, int64_t t16, double keep_scale, uintptr_t dq, uintptr_t dk, uintptr_t dv) {
-  Problem p = make_problem(sizes, pad, cu, ndocs, causal, window, scale, softcap, seed, t16, keep_scale);
+                        uintptr_t seed, int64_t t16, double keep_scale, uintptr_t dq, uintptr_t dk, uintptr_t dv,
+                        int64_t q_offset) {
+  Problem p = make_problem(sizes, pad, cu, ndocs, causal, window, scale, softcap, seed, t16, keep_scale, q_offset);
   p.q = as_ptr<const void>(q);
   p.k = as_ptr<const void>(k);
   p.v = as_ptr<const void>(v);
@@ -319,12 +325,13 @@ void register_attention(py::module_& m) {
         py::arg("k"), py::arg("k_strides"), py::arg("v"), py::arg("v_strides"), py::arg("o"), py::arg("o_strides"),
         py::arg("lse"), py::arg("key_padding_mask"), py::arg("cu_seqlens"), py::arg("n_docs"), py::arg("causal"),
         py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("seed"), py::arg("t16"), py::arg("keep_scale"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("q_offset") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("attention_backward", &attention_backward, py::arg("dtype"), py::arg("sizes"), py::arg("do"), py::arg("q"),
         py::arg("q_strides"), py::arg("k"), py::arg("k_strides"), py::arg("v"), py::arg("v_strides"), py::arg("o"),
         py::arg("o_strides"), py::arg("lse"), py::arg("key_padding_mask"), py::arg("cu_seqlens"), py::arg("n_docs"),
         py::arg("causal"), py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("seed"), py::arg("t16"),
-        py::arg("keep_scale"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::call_guard<py::gil_scoped_release>());
+        py::arg("keep_scale"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("q_offset") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("attention_tiles", &attention_tiles, py::arg("block_q"), py::arg("block_k"));
   m.def("attention_isa", &attention_isa);
   m.def("attention_backward_passes", &attention_backward_passes, py::arg("passes"));

@@ -95,7 +95,7 @@ inline void draw_keep_bits(const PhiloxKey& key, uint64_t g0, uint64_t dg, uint6
 }
 
 // The dropout bits of a tile: bit t of bits[g * ld + c] says whether P[b, h, i0 + c, j0 + 8 g + t]
-// survives, for every key below j0 + nk (j0 a multiple of 8) and query c < n, attended or not (the
+// survives (the Philox row is the key position i0 + c + q_offset, so a query tile draws its rows' bits), for every key below j0 + nk (j0 a multiple of 8) and query c < n, attended or not (the
 // callers mask separately); 0 for the padding queries n <= c < ld. The draws run over queries,
 // kDrawLanes at a time, which fills the vector whatever the tile's width in keys.
 // Out of line: it runs once per tile and would only grow the callers' hot loops.
@@ -105,7 +105,8 @@ __attribute__((noinline)) inline void keep_tile_bits(const Problem& p, int64_t b
     uint32_t* row = bits + g * ld;
     for (int64_t c = 0; c < n; c += kDrawLanes) {
       uint32_t lanes[kDrawLanes];
-      draw_keep_bits(p.key, uint64_t((j0 >> 3) + g), 0, uint64_t(i0 + c), 1, uint64_t(bh), p.t16, lanes);
+      draw_keep_bits(p.key, uint64_t((j0 >> 3) + g), 0, uint64_t(i0 + c + p.q_offset), 1, uint64_t(bh), p.t16,
+                     lanes);
       for (int64_t l = 0; l < kDrawLanes && c + l < n; ++l) row[c + l] = lanes[l];
     }
     for (int64_t c = n; c < ld; ++c) row[c] = 0u;

@@ -27,6 +27,7 @@ struct Problem {
   int64_t ndocs;
   bool causal;
   int64_t window;  // 0 = none
+  int64_t q_offset = 0;  // query row i stands at key position i + q_offset (a tile of a longer query)
   double scale;
   double softcap;  // 0 = none; else scores are softcap * tanh(scale * q.k / softcap)
   PhiloxKey key{0};
@@ -38,21 +39,23 @@ struct Problem {
   void* dq_part = nullptr;   // [chunks, B * H * Sq, Dp] partial dQ in Acc when chunks > 1
 
   // Keys query row i may attend before padding: [lo, hi). lo and hi never decrease with i, so a
-  // tile of rows attends within [lo(first), hi(last)).
+  // tile of rows attends within [lo(first), hi(last)). Masks are measured at the row's key
+  // position g = i + q_offset.
   void row_range(int64_t i, int64_t& lo, int64_t& hi) const {
+    const int64_t g = i + q_offset;
     lo = 0;
     hi = Sk;
-    if (cu != nullptr) {  // the document holding i: the last d < ndocs with cu[d] <= i
+    if (cu != nullptr) {  // the document holding g: the last d < ndocs with cu[d] <= g
       int64_t a = 0, b = ndocs;
       while (b - a > 1) {
         const int64_t mid = (a + b) / 2;
-        if (cu[mid] <= i) a = mid; else b = mid;
+        if (cu[mid] <= g) a = mid; else b = mid;
       }
       lo = cu[a];
       hi = cu[a + 1];
     }
-    if (causal) hi = std::min(hi, i + 1);
-    if (window > 0) lo = std::max(lo, i - window + 1);
+    if (causal) hi = std::min(hi, g + 1);
+    if (window > 0) lo = std::max(lo, g - window + 1);
     if (hi < lo) hi = lo;
   }
   int64_t row_lo(int64_t i) const { int64_t lo, hi; row_range(i, lo, hi); return lo; }
