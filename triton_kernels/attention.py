@@ -19,7 +19,8 @@ Each program first works out which key (or query) blocks can matter at all: caus
 window and per-document (cu_seqlens) limits are turned into a block range, so work grows with the
 attended area only. Inside that range the blocks that every row attends completely are run
 without any masking; only the blocks at the edges (diagonal, window edge, document edges, ragged
-last block) pay for the element masks. The dropout mask is a function of (seed, b*H + h, i, j)
+last block) pay for the element masks. With q_offset, query row i stands at key position
+i + q_offset: every mask, block range and dropout row is computed at that position. The dropout mask is a function of (seed, b*H + h, i, j)
 only, so tilings may differ between kernels and the results are deterministic.
 """
 
@@ -97,30 +98,34 @@ def _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, kernel):
                 num_stages=stages)
 
 
-def _common(q, k, key_padding_mask, cu_seqlens, window, seed, t16):
+def _common(q, k, key_padding_mask, cu_seqlens, window, seed, t16, q_offset):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if H % Hkv:
         raise ValueError(f"query heads {H} must be a multiple of kv heads {Hkv}")
+    if q_offset < 0 or (q_offset > 0 and q_offset + Sq > Sk):
+        raise ValueError(f"q_offset must be >= 0 with q_offset + Sq <= Sk, got q_offset={q_offset}, Sq={Sq}, Sk={Sk}")
     pad = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
     n_docs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 0
-    if cu_seqlens is not None and (B != 1 or Sq != Sk):
-        raise ValueError("cu_seqlens needs B == 1 and Sq == Sk")
+    if cu_seqlens is not None and (B != 1 or (q_offset == 0 and Sq != Sk)):
+        raise ValueError("cu_seqlens needs B == 1 and Sq == Sk (Sq + q_offset <= Sk with an offset)")
     seed = seed if t16 > 0 else None  # dropout off: the seed is never read
     return B, H, Hkv, Sq, Sk, pad, n_docs, max(n_docs, 1).bit_length(), int(window), seed
 
 
-def forward(q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale):
-    """o [B, H, Sq, D] (any strides, last dim contiguous), lse fp32 [B, H, Sq] contiguous."""
+def forward(q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale,
+            q_offset=0):
+    """o [B, H, Sq, D] (any strides, last dim contiguous), lse fp32 [B, H, Sq] contiguous. Query row i
+    stands at key position i + q_offset (masks and the dropout stream's row)."""
     B, H, Hkv, Sq, Sk, pad, n_docs, doc_bits, window, seed = _common(q, k, key_padding_mask, cu_seqlens, window,
-                                                                    seed, t16)
+                                                                    seed, t16, q_offset)
     if B * H * Sq == 0:
         return
     f = _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, "fwd")
     grid = (triton.cdiv(Sq, f["BLOCK_M"]) * B * H,)
     _fwd_kernel[grid](q, k, v, o, lse, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(o),
-                      H, H // Hkv, Sq, Sk, window, n_docs, doc_bits, *_logit_factors(scale, softcap), t16,
-                      float(keep_scale), **f)
+                      H, H // Hkv, Sq, Sk, window, q_offset, n_docs, doc_bits, *_logit_factors(scale, softcap),
+                      t16, float(keep_scale), **f)
 
 
 def delta(o, do, out):
@@ -134,7 +139,7 @@ def delta(o, do, out):
 
 
 def backward(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale,
-             dq, dk, dv):
+             dq, dk, dv, q_offset=0):
     """dq, dk, dv: outputs shaped like q, k, v (any strides with the last dim contiguous)."""
     B, H, Sq = q.shape[:3]
     if B * H == 0:
@@ -145,33 +150,34 @@ def backward(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, 
         return
     dl = delta(o, do, torch.empty(B, H, Sq, dtype=torch.float32, device=q.device))
     args = (do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale)
-    backward_dkdv(*args, dk, dv)
-    backward_dq(*args, dq)
+    backward_dkdv(*args, dk, dv, q_offset)
+    backward_dq(*args, dq, q_offset)
 
 
-def _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale, kernel):
+def _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale, kernel,
+              q_offset):
     B, H, Hkv, Sq, Sk, pad, n_docs, doc_bits, window, seed = _common(q, k, key_padding_mask, cu_seqlens, window,
-                                                                    seed, t16)
-    tail = (H, H // Hkv, Sq, Sk, window, n_docs, doc_bits, scale, *_logit_factors(scale, softcap), t16,
+                                                                    seed, t16, q_offset)
+    tail = (H, H // Hkv, Sq, Sk, window, q_offset, n_docs, doc_bits, scale, *_logit_factors(scale, softcap), t16,
             float(keep_scale))
     f = _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, kernel)
     return B, H, Hkv, Sq, Sk, pad, seed, tail, f
 
 
 def backward_dkdv(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16,
-                  keep_scale, dk, dv):
+                  keep_scale, dk, dv, q_offset=0):
     """dK, dV (reduced over each kv head's query group) given delta dl [B, H, Sq] fp32."""
     B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale,
-                                                      softcap, seed, t16, keep_scale, "dkdv")
+                                                      softcap, seed, t16, keep_scale, "dkdv", q_offset)
     _bwd_dkdv_kernel[(triton.cdiv(Sk, f["BLOCK_N"]) * B * Hkv,)](
         q, k, v, do, lse, dl, dk, dv, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dk),
         *_s3(dv), *tail, **f)
 
 
 def backward_dq(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16,
-                keep_scale, dq):
+                keep_scale, dq, q_offset=0):
     """dQ given delta dl [B, H, Sq] fp32."""
     B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale,
-                                                      softcap, seed, t16, keep_scale, "dq")
+                                                      softcap, seed, t16, keep_scale, "dq", q_offset)
     _bwd_dq_kernel[(triton.cdiv(Sq, f["BLOCK_M"]) * B * H,)](
         q, k, v, do, lse, dl, dq, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dq), *tail, **f)

@@ -30,7 +30,7 @@ from .rounding import to_storage
 
 @triton.jit
 def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sdh, sqm, sdm, G, b_lo, b_hi, c0, cols,
-                 dsk, dek, pad, Sq, Sk, window, k0, k1, bh_head, t16, keep_scale, logit_mult, tanh_in,
+                 dsk, dek, pad, Sq, Sk, window, q_offset, k0, k1, bh_head, t16, keep_scale, logit_mult, tanh_in,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                  HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr,
@@ -63,15 +63,17 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
         st, tt = _scores(_dot(kb, tl.trans(q), IEEE), logit_mult, tanh_in, SOFTCAP)
         pt = tl.exp2(st - (lse * 1.4426950408889634)[None, :])
         if MASKED or HAS_PAD:
-            # dsk/dek are the keys' document bounds: i shares j's document iff dsk <= i < dek.
-            ok = _allowed(rows[None, :], cols[:, None], Sq, Sk, window, 0, 0, pad, MASKED, CHECK, False, CAUSAL,
-                          WINDOW, False, HAS_PAD)
+            # Masks at the rows' key positions pos = rows + q_offset (rows < Sq iff pos < Sq + q_offset).
+            # dsk/dek are the keys' document bounds: i shares j's document iff dsk <= pos < dek.
+            pos = rows + q_offset
+            ok = _allowed(pos[None, :], cols[:, None], Sq + q_offset, Sk, window, 0, 0, pad, MASKED, CHECK, False,
+                          CAUSAL, WINDOW, False, HAS_PAD)
             if MASKED and VARLEN:
-                ok = ok & (rows[None, :] >= dsk[:, None]) & (rows[None, :] < dek[:, None])
+                ok = ok & (pos[None, :] >= dsk[:, None]) & (pos[None, :] < dek[:, None])
             pt = tl.where(ok, pt, 0.0)
         dpt = _dot(vb, tl.trans(do), IEEE)
         if DROPOUT:
-            bits = attention_keep_bits_t(k0, k1, start, c0, bh, t16, BLOCK_M, BLOCK_N)
+            bits = attention_keep_bits_t(k0, k1, start + q_offset, c0, bh, t16, BLOCK_M, BLOCK_N)
             pt_kept, dpt = apply_keep_bit(bits, pt, dpt)
             dv += _dot(to_storage(pt_kept, do.dtype), do, IEEE)  # keep_scale: applied at the store
             dpt = dpt * keep_scale
@@ -84,11 +86,11 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["window", "n_docs", "doc_bits", "t16"])
+@triton.jit(do_not_specialize=["window", "q_offset", "n_docs", "doc_bits", "t16"])
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
                      sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-                     H, G, Sq, Sk, window, n_docs, doc_bits, scale, logit_mult, tanh_in, t16, keep_scale,
+                     H, G, Sq, Sk, window, q_offset, n_docs, doc_bits, scale, logit_mult, tanh_in, t16, keep_scale,
                      D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                      HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -119,30 +121,32 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
         k0, k1 = load_key(SEED)
     dsk = cols
     dek = cols
-    # Query range attending these keys; full_* is where no query needs an element mask.
+    # Query range (rows, local: key position - q_offset) attending these keys; full_* is where no
+    # query needs an element mask. With q_offset = 0 every bound below is the plain one.
     lo = 0
     hi = Sq
     full_lo = 0
     full_hi = Sq
     if VARLEN:
         dsk, dek = _doc_bounds(CU, tl.minimum(cols, Sk - 1), n_docs, doc_bits)
-        lo = tl.min(dsk, 0)
-        hi = tl.max(dek, 0)
-        full_lo = tl.max(dsk, 0)
-        full_hi = tl.min(dek, 0)
+        lo = tl.maximum(tl.min(dsk, 0) - q_offset, 0)
+        hi = tl.minimum(tl.max(dek, 0) - q_offset, Sq)
+        full_lo = tl.max(dsk, 0) - q_offset
+        full_hi = tl.minimum(tl.min(dek, 0) - q_offset, Sq)
     if CAUSAL:
-        lo = tl.maximum(lo, c0)
-        full_lo = tl.maximum(full_lo, c1)
+        lo = tl.maximum(lo, c0 - q_offset)
+        full_lo = tl.maximum(full_lo, c1 - q_offset)
     if WINDOW:
-        hi = tl.minimum(hi, c1 + window)
-        full_hi = tl.minimum(full_hi, c0 + window)
+        hi = tl.minimum(hi, c1 + window - q_offset)
+        full_hi = tl.minimum(full_hi, c0 + window - q_offset)
     b0, b1, b2, b3 = _ranges(c0, c1, lo, hi, full_lo, full_hi, BLOCK_M)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     h0 = kvh * G  # the group's first query head; its G heads are reduced in order (deterministic)
     args = (Q + b * sqb + h0 * sqh, DO + b * sdb + h0 * sdh, (b * H + h0) * Sq, DELTA, LSE, sqh, sdh, sqm, sdm, G)
-    rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, k0, k1, b * H + h0, t16, keep_scale, logit_mult, tanh_in)
+    rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, q_offset, k0, k1, b * H + h0, t16, keep_scale, logit_mult,
+            tanh_in)
     # With dropout the loop is always split too (its edge ranges are then empty): as one loop, with the
     # dK/dV dots in flight across iterations and the keep flags changing layout inside it, ptxas
     # serialises every wgmma (C7515; n_wgmma_serialized in tests/gpu_compile_check.py).
@@ -207,10 +211,10 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0,
     return dq
 
 
-@triton.jit(do_not_specialize=["window", "n_docs", "doc_bits", "t16"])
+@triton.jit(do_not_specialize=["window", "q_offset", "n_docs", "doc_bits", "t16"])
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
                    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
-                   H, G, Sq, Sk, window, n_docs, doc_bits, scale, logit_mult, tanh_in, t16, keep_scale,
+                   H, G, Sq, Sk, window, q_offset, n_docs, doc_bits, scale, logit_mult, tanh_in, t16, keep_scale,
                    D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                    HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -227,13 +231,15 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
     else:
         lse2 = tl.load(LSE + stat, mask=rows < Sq, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + stat, mask=rows < Sq, other=0.0)
+    # Masks, block ranges and the dropout rows at the rows' key positions (rows + q_offset).
     k_base, v_base, pad_base, k0, k1, ds, de, b0, b1, b2, b3 = _key_side(
-        K, V, PAD, CU, SEED, b, kvh, skb, skh, svb, svh, r0, r1, rows, Sq, Sk, window, n_docs, doc_bits, CAUSAL,
-        WINDOW, VARLEN, HAS_PAD, DROPOUT, BLOCK_N)
+        K, V, PAD, CU, SEED, b, kvh, skb, skh, svb, svh, r0 + q_offset, r1 + q_offset, rows + q_offset, Sq + q_offset,
+        Sk, window, n_docs, doc_bits, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     args = (q, do, lse2, delta, k_base, v_base, skn, svn)
-    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult, tanh_in)
+    rest = (r0 + q_offset, rows + q_offset, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult,
+            tanh_in)
     if CAUSAL or WINDOW or VARLEN or not EVEN_N:
         dq = _dq_blocks(dq, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
                         BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)

@@ -52,9 +52,9 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["window", "n_docs", "doc_bits", "t16"])
+@triton.jit(do_not_specialize=["window", "q_offset", "n_docs", "doc_bits", "t16"])
 def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-                H, G, Sq, Sk, window, n_docs, doc_bits, logit_mult, tanh_in, t16, keep_scale,
+                H, G, Sq, Sk, window, q_offset, n_docs, doc_bits, logit_mult, tanh_in, t16, keep_scale,
                 D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                 HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -63,15 +63,17 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, 
     bh, b, h, kvh, r0, r1, rows = _query_block(Sq, H, G, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q = _load_rows(Q + b * sqb + h * sqh, rows, sqm, Sq, dims, D, not EVEN_M, EVEN_D)
+    # Masks, block ranges and the dropout rows at the rows' key positions (rows + q_offset).
     k_base, v_base, pad_base, k0, k1, ds, de, b0, b1, b2, b3 = _key_side(
-        K, V, PAD, CU, SEED, b, kvh, skb, skh, svb, svh, r0, r1, rows, Sq, Sk, window, n_docs, doc_bits, CAUSAL,
-        WINDOW, VARLEN, HAS_PAD, DROPOUT, BLOCK_N)
+        K, V, PAD, CU, SEED, b, kvh, skb, skh, svb, svh, r0 + q_offset, r1 + q_offset, rows + q_offset, Sq + q_offset,
+        Sk, window, n_docs, doc_bits, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     args = (q, k_base, v_base, skn, svn)
-    rest = (r0, rows, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult, tanh_in)
+    rest = (r0 + q_offset, rows + q_offset, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult,
+            tanh_in)
     if CAUSAL or WINDOW or VARLEN or not EVEN_N:
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
                                     DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
