@@ -106,31 +106,34 @@ def call(op_family: str, fn: str, *args):
 # ---------------------------------------------------------------------------------------------
 # C++ adapters
 
-def _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks):
+def _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks, q_offset):
     """The arguments both C++ attention kernels share after the tensors and their strides."""
     B, H, Sq, D = q.shape
     n_docs = 0 if cu_seqlens is None else cu_seqlens.numel() - 1
     return ((B, H, k.shape[1], Sq, k.shape[2], D),
             dict(key_padding_mask=_pointer(mask), cu_seqlens=_pointer(cu_seqlens), n_docs=n_docs, causal=causal,
                  window=int(window or 0), scale=scale, softcap=float(softcap), seed=_pointer(seed), t16=t16,
-                 keep_scale=ks))
+                 keep_scale=ks, q_offset=int(q_offset)))
 
 
 def _strides(t):
     return t.stride()[:3]  # (batch, head, row); the last dim is contiguous
 
 
-def _cpp_attention_forward(q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks):
+def _cpp_attention_forward(q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks,
+                           q_offset=0):
     """Blocked fp32 attention (csrc/attention.cpp): q, k, v, o by pointer and strides, any GQA group."""
-    sizes, problem = _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks)
+    sizes, problem = _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks,
+                                            q_offset)
     _C.attention_forward(DTYPE_CODES[q.dtype], sizes, q.data_ptr(), _strides(q), k.data_ptr(), _strides(k),
                          v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(), **problem)
 
 
 def _cpp_attention_backward(do, q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks, dq,
-                            dk, dv):
+                            dk, dv, q_offset=0):
     """dq, dk, dv (contiguous) from do (contiguous); delta = rowsum(dO * O) is taken inside."""
-    sizes, problem = _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks)
+    sizes, problem = _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks,
+                                            q_offset)
     _C.attention_backward(DTYPE_CODES[q.dtype], sizes, do.data_ptr(), q.data_ptr(), _strides(q), k.data_ptr(),
                           _strides(k), v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(),
                           dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), **problem)

@@ -37,7 +37,7 @@ def heads_view(o):
 def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
                      cu_seqlens: Optional[torch.Tensor], causal: bool, sliding_window: int, dropout_p: float,
                      softmax_scale: float, seed: Optional[torch.Tensor],
-                     softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     softcap: float = 0.0, q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, Sq, _ = q.shape
     o = _output(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
@@ -45,12 +45,13 @@ def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
     t16, ks = rng.kernel_constants(dropout_p)
     if o.numel():  # an empty batch or query length has nothing to compute
         backend.call("attention", "forward", q, k, v, heads_view(o), lse, mask, cu_seqlens, causal, sliding_window,
-                     softmax_scale, softcap, seed, t16, ks)
+                     softmax_scale, softcap, seed, t16, ks, q_offset)
     return o, lse
 
 
 @attention_fwd_op.register_fake
-def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed, softcap=0.0):
+def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed, softcap=0.0,
+      q_offset=0):
     B, H, Sq, _ = q.shape
     return _output(q), q.new_empty(B, H, Sq, dtype=torch.float32)
 
@@ -59,8 +60,8 @@ def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, 
 def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                      lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                      causal: bool, sliding_window: int, dropout_p: float, softmax_scale: float,
-                     seed: Optional[torch.Tensor],
-                     softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     seed: Optional[torch.Tensor], softcap: float = 0.0,
+                     q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do = do.contiguous()  # a grad from .sum().backward() has stride 0
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
@@ -68,18 +69,19 @@ def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if not do.numel():
         return dq, dk.zero_(), dv.zero_()
     backend.call("attention", "backward", do, q, k, v, o, lse.contiguous(), mask, cu_seqlens, causal, sliding_window,
-                 softmax_scale, softcap, seed, t16, ks, dq, dk, dv)
+                 softmax_scale, softcap, seed, t16, ks, dq, dk, dv, q_offset)
     return dq, dk, dv
 
 
 @attention_bwd_op.register_fake
 def _(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed,
-      softcap=0.0):
+      softcap=0.0, q_offset=0):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p, ctx.softmax_scale, seed, ctx.softcap = inputs
+    (q, k, v, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p, ctx.softmax_scale, seed, ctx.softcap,
+     ctx.q_offset) = inputs
     o, lse = output
     for t in (q, k, v):
         pipeline.tag(t, "qkv")
@@ -92,8 +94,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, mask, cu_seqlens, seed = ctx.saved_tensors
     dq, dk, dv = attention_bwd_op(heads_view(do), q, k, v, heads_view(o), lse, mask, cu_seqlens, ctx.causal,
-                                  ctx.window, ctx.dropout_p, ctx.softmax_scale, seed, ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                                  ctx.window, ctx.dropout_p, ctx.softmax_scale, seed, ctx.softcap, ctx.q_offset)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -159,8 +161,9 @@ def _check_window(sliding_window):
 _CHECKED_CU_SEQLENS = [None]  # (weakref, version, S) of the last cu_seqlens checked: models pass one per layer
 
 
-def _check_cu_seqlens(cu_seqlens, q, k, mask):
-    """cu_seqlens as int32 [n + 1] offsets 0 = c0 <= ... <= cn = S on q's device, or the error naming it."""
+def _check_cu_seqlens(cu_seqlens, q, k, mask, q_offset=0):
+    """cu_seqlens as int32 [n + 1] offsets 0 = c0 <= ... <= cn = S on q's device, or the error naming it.
+    S is the key length; the queries are all S positions, or with q_offset > 0 rows q_offset ... q_offset + Sq."""
     if cu_seqlens is None:
         return None
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -171,12 +174,13 @@ def _check_cu_seqlens(cu_seqlens, q, k, mask):
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 offsets, got shape {list(cu_seqlens.shape)}")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
-    B, _, S, _ = q.shape
+    B, _, Sq, _ = q.shape
+    S = k.shape[2]
     if B != 1:
         raise ValueError(f"cu_seqlens needs the documents packed into one row (B = 1), got B={B}")
-    if k.shape[2] != S:
-        raise ValueError(f"cu_seqlens needs q, k and v of one length (packed self-attention), got Sq={S}, "
-                         f"Sk={k.shape[2]}")
+    if q_offset == 0 and S != Sq:  # a query tile past the start says where it stands (q_offset, checked before)
+        raise ValueError(f"cu_seqlens needs q, k and v of one length (packed self-attention) or a query tile's "
+                         f"q_offset > 0, got Sq={Sq}, Sk={S}")
     if mask is not None:
         raise ValueError("key_padding_mask and cu_seqlens cannot be combined: packed documents carry no padding")
     last = _CHECKED_CU_SEQLENS[0]
@@ -189,6 +193,17 @@ def _check_cu_seqlens(cu_seqlens, q, k, mask):
         if not cu_seqlens.is_inference():
             _CHECKED_CU_SEQLENS[0] = (weakref.ref(cu_seqlens), cu_seqlens._version, S)
     return cu_seqlens.to(torch.int32).contiguous()
+
+
+def _check_q_offset(q_offset, Sq, Sk):
+    """q_offset as an int: 0, or > 0 with q_offset + Sq <= Sk (the query rows are key positions q_offset ...)."""
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int):
+        raise ValueError(f"q_offset must be an int >= 0 (query row i stands at key position i + q_offset), got "
+                         f"{q_offset!r}")
+    if q_offset < 0 or (q_offset > 0 and q_offset + Sq > Sk):
+        raise ValueError(f"q_offset must be >= 0 with q_offset + Sq <= Sk (query row i stands at key position "
+                         f"i + q_offset), got q_offset={q_offset}, Sq={Sq}, Sk={Sk}")
+    return int(q_offset)
 
 
 def _check_scale(softmax_scale, D):
@@ -213,7 +228,7 @@ def check_softcap(softcap, name="softcap"):
 
 
 def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padding_mask=None, seed=None, *,
-              sliding_window=None, cu_seqlens=None, softcap=None):
+              sliding_window=None, cu_seqlens=None, softcap=None, q_offset=0):
     """softmax(q k^T * softmax_scale + masks), dropped out, times v: o [B, H, Sq, D].
 
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H % Hkv == 0 (query head h reads kv head
@@ -229,15 +244,20 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     buffer (in-place ops on it work as on any tensor). `softcap=c` (Gemma 2's attention-logit
     soft-capping) makes the scores c * tanh(q k^T * softmax_scale / c) before masks and softmax;
     backward rebuilds them and their tanh from q and k.
+    `q_offset=s` places query row i at key position i + s (0 <= s, s + Sq <= Sk): causal, window,
+    documents and the dropout mask are those of row i + s of the whole problem, so query tiles
+    q[:, :, s:e] against k[:, :, :e], v[:, :, :e] with q_offset=s reproduce rows s..e-1 of one call
+    (outputs row for row, bit for bit on the C++ kernels; dK and dV as the tiles' shares of a sum).
     """
     _check_qkv(q, k, v)
     check_bool(causal, "causal")
     rng.threshold(dropout_p, "dropout_p")
     mask = _check_mask(key_padding_mask, q, k)
     window = _check_window(sliding_window)
-    cu_seqlens = _check_cu_seqlens(cu_seqlens, q, k, mask)
+    offset = _check_q_offset(q_offset, q.shape[2], k.shape[2])
+    cu_seqlens = _check_cu_seqlens(cu_seqlens, q, k, mask, offset)
     scale = _check_scale(softmax_scale, q.shape[-1])
     cap = check_softcap(softcap)
     seed = rng.site_seed(dropout_p, seed, q.device)
-    o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed, cap)
+    o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed, cap, offset)
     return heads_view(o)
