@@ -26,10 +26,11 @@ def noisier(a, b, ref64):
     return a if max_err(a, ref64) >= max_err(b, ref64) else b
 
 
-def attention_allowed(B, Sq, Sk, causal=False, window=0, pad=None, cu=None):
+def attention_allowed(B, Sq, Sk, causal=False, window=0, pad=None, cu=None, q_offset=0):
     """Bool [B, 1, Sq, Sk]: which keys each query may attend under the attention semantics of
-    docs/kernels/attention.md (causal, sliding window, documents from cu_seqlens, key padding [B, Sk])."""
-    i = torch.arange(Sq)[:, None]
+    docs/kernels/attention.md (causal, sliding window, documents from cu_seqlens, key padding [B, Sk]).
+    Query row i stands at key position i + q_offset (the bottom rows of a longer problem)."""
+    i = torch.arange(Sq)[:, None] + q_offset
     j = torch.arange(Sk)[None, :]
     ok = torch.ones(Sq, Sk, dtype=torch.bool)
     if causal:
@@ -37,8 +38,10 @@ def attention_allowed(B, Sq, Sk, causal=False, window=0, pad=None, cu=None):
     if window:
         ok &= j > i - window
     if cu is not None:
-        doc = torch.bucketize(torch.arange(Sq), torch.as_tensor(cu)[1:].long(), right=True)
-        ok &= doc[:, None] == doc[None, :]
+        ends = torch.as_tensor(cu)[1:].long()
+        qdoc = torch.bucketize(torch.arange(Sq) + q_offset, ends, right=True)
+        kdoc = torch.bucketize(torch.arange(Sk), ends, right=True)
+        ok &= qdoc[:, None] == kdoc[None, :]
     ok = ok.expand(B, 1, Sq, Sk)
     if pad is not None:
         ok = ok & pad[:, None, None, :]
