@@ -184,8 +184,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def attention_launch(tk, dtype, D, causal=False, p=0.0, B=2, H=4, Hkv=None, S=512, Sk=None, window=0, docs=None,
-                     padded=False, packed=False, softcap=0.0):
-    """Forward and backward through the Triton entry points with a real launch's tensors."""
+                     padded=False, packed=False, softcap=0.0, q_offset=0):
+    """Forward and backward through the Triton entry points with a real launch's tensors (with q_offset,
+    a query tile of S rows at key positions q_offset ... against Sk keys)."""
     Hkv, Sk = Hkv or H, Sk or S
     if packed:
         qkv = torch.empty(B, S, 3, H, D, dtype=dtype)
@@ -203,9 +204,9 @@ def attention_launch(tk, dtype, D, causal=False, p=0.0, B=2, H=4, Hkv=None, S=51
     seed = torch.zeros(2, dtype=torch.int32) if p > 0 else None
     t16 = round(p * 65536)
     ks = 65536 / (65536 - t16)
-    tk.forward(q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed, t16, ks)
+    tk.forward(q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed, t16, ks, q_offset)
     tk.backward(torch.empty(B, H, S, D, dtype=dtype), q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed,
-                t16, ks, dq, dk, dv)
+                t16, ks, dq, dk, dv, q_offset)
 
 
 def exercise_attention():
@@ -222,11 +223,16 @@ def exercise_attention():
                     varlen=dict(B=1, docs=(100, 300, 112), causal=True), padded=dict(padded=True),
                     ragged=dict(S=500, Sk=500, causal=True), packed=dict(packed=True),
                     mqa_window=dict(H=4, Hkv=1, window=64), softcap=dict(H=8, Hkv=2, causal=True, softcap=50.0),
-                    softcap_lean=dict(softcap=30.0))
+                    softcap_lean=dict(softcap=30.0),
+                    # query tiles of a decoder layer's rebuild: rows [s, e) against keys [0, e), q_offset = s
+                    q_offset=dict(H=8, Hkv=2, S=100, Sk=612, q_offset=512, causal=True),
+                    q_offset_varlen=dict(B=1, S=200, Sk=512, q_offset=312, docs=(100, 300, 112), causal=True,
+                                         window=128))
     for D in (128, 64):
         for p in (0.0, 0.1):
             for case, kw in variants.items():
-                if D == 64 and case not in ("varlen", "window", "ragged", "gqa", "padded", "softcap", "softcap_lean"):
+                if D == 64 and case not in ("varlen", "window", "ragged", "gqa", "padded", "softcap", "softcap_lean",
+                                            "q_offset", "q_offset_varlen"):
                     continue
                 kw = dict(kw)
                 causal = kw.pop("causal", False)
