@@ -196,14 +196,15 @@ def _check_cu_seqlens(cu_seqlens, q, k, mask, q_offset=0):
 
 
 def _check_q_offset(q_offset, Sq, Sk):
-    """q_offset as an int: 0, or > 0 with q_offset + Sq <= Sk (the query rows are key positions q_offset ...)."""
-    if isinstance(q_offset, bool) or not isinstance(q_offset, int):
+    """q_offset as an int: 0, or > 0 with q_offset + Sq <= Sk (the query rows are key positions q_offset ...).
+    A SymInt (a tile bound from a dynamic shape under torch.compile) stays symbolic."""
+    if isinstance(q_offset, bool) or not isinstance(q_offset, (int, torch.SymInt)):
         raise ValueError(f"q_offset must be an int >= 0 (query row i stands at key position i + q_offset), got "
                          f"{q_offset!r}")
     if q_offset < 0 or (q_offset > 0 and q_offset + Sq > Sk):
         raise ValueError(f"q_offset must be >= 0 with q_offset + Sq <= Sk (query row i stands at key position "
                          f"i + q_offset), got q_offset={q_offset}, Sq={Sq}, Sk={Sk}")
-    return int(q_offset)
+    return q_offset
 
 
 def _check_scale(softmax_scale, D):

@@ -290,6 +290,22 @@ def test_opcheck_with_an_offset(use_backend):
                           (torch.randn_like(o), q.detach(), k, v, o, lse, None, cu, True, 3, 0.2, 0.25, seed, 0.0, 7))
 
 
+def test_query_tiles_trace_under_torch_compile(use_backend):
+    """Tiles whose bounds come from the (dynamic) sequence length: q_offset arrives as a SymInt."""
+    use_backend("cpp")
+    torch._dynamo.reset()
+    Q, K, V, grad = _inputs(1, 2, 1, 24, 24, 16, torch.float32)
+
+    def tiles(q, k, v):
+        s = q.shape[2] // 3
+        return torch.cat([selective_ckpt.attention(q[:, :, a:e], k[:, :, :e], v[:, :, :e], causal=True, dropout_p=0.1,
+                                                   seed=4, q_offset=a) for a, e in ((0, s), (s, q.shape[2]))], 2)
+
+    compiled = torch.compile(tiles, fullgraph=True, dynamic=True)
+    for x, y in zip(_run(tiles, Q, K, V, grad), _run(compiled, Q, K, V, grad)):
+        assert torch.equal(x, y)
+
+
 def _call(q_offset, Sq=5, Sk=9, **kw):
     q, k, v, _ = _inputs(1, 2, 1, Sq, Sk, 16, torch.float32)
     return selective_ckpt.attention(q, k, v, causal=True, q_offset=q_offset, **kw)
