@@ -23,7 +23,8 @@ Exactness: each token's row goes through the same ops as untiled, attention over
 the rounding of matmuls over fewer rows and the order in which dK, dV and parameter gradients are summed (the 2x/3x
 rule). Dropout: each pass of each tile restores the RNG state it started with in forward, so a seed drawn inside
 the layer (LoRA's dropout, residual dropouts) is drawn again the same in the rebuild; attention's dropout uses one
-seed for all tiles with the kernel's mask of the global row, so its mask is the untiled call's. The seeds LoRA's
+seed for all tiles (drawn by the first tile, so a layer takes one draw, as untiled) with the kernel's mask of the
+global row, so its mask is the untiled call's. The seeds LoRA's
 dropout draws are a tile's own, so its masks (not their distribution) depend on the tile count.
 
 The layer's attention must run `selective_ckpt.attention` (models/attention.py reads the running tile through
@@ -63,11 +64,12 @@ class TileCall:
         self.mode, self.start, self.end, self.length, self.run = mode, start, end, length, run
         self.keys, self.values, self.captured = keys, values, None
 
-    def attention_seed(self, drawn):
-        """The seed attention's dropout uses in every tile of this layer call: the first tile's draw. Each tile still
-        draws one (`drawn`), so a tile consumes the RNG stream the same in forward and in its rebuild."""
-        if self.run.attention_seed is None:
-            self.run.attention_seed = drawn
+    def attention_seed(self, draw):
+        """The seed attention's dropout uses in every tile of this layer call: drawn (`draw()`) by the first tile only,
+        in forward and again in its rebuild (which restores the RNG state, so draws the same), so the layer takes one
+        draw from the stream, as untiled."""
+        if self.start == 0:
+            self.run.attention_seed = draw()
         return self.run.attention_seed
 
 

@@ -487,7 +487,7 @@ def _tile_attention(module, name, tile, query, key, value, attention_mask, dropo
         pad = pad[:, :end]
     if cu is not None:
         cu = _documents_before(cu, end)
-    seed = tile.attention_seed(rng.draw_seed_tensor(query.device)) if dropout > 0 else None
+    seed = tile.attention_seed(lambda: rng.draw_seed_tensor(query.device)) if dropout > 0 else None
     o = attention(query.to(dtype), tile.keys, tile.values, True, float(dropout), scaling, pad, seed,
                   sliding_window=window, cu_seqlens=cu, softcap=kwargs.get("softcap"), q_offset=tile.start)
     return o.transpose(1, 2), None
