@@ -239,6 +239,7 @@ class MoE:
     weights_dtype: torch.dtype = None
     norm_topk_prob: bool = True
     shared_dim: int = 0
+    shared_gate: bool = True  # the shared expert is scaled by a sigmoid gate (Qwen2-MoE); False: added as is (GLM-4.5)
 
     def __post_init__(self):
         check_positive_int(self.num_experts, "num_experts")
@@ -261,10 +262,13 @@ class MoE:
         if self.norm_topk_prob:  # the in-place division keeps its divisor and a copy of the top-k values
             parts.update(router_topk_sum=t * 4, router_topk_copy=t * k * 4)
         if self.shared_dim:
-            parts.update(shared_gate_out=t * self.shared_dim * mlp_size, shared_up_out=t * self.shared_dim * mlp_size,
-                         shared_sigmoid=t * size)
+            parts.update(shared_gate_out=t * self.shared_dim * mlp_size, shared_up_out=t * self.shared_dim * mlp_size)
+            if self.shared_gate:
+                parts["shared_sigmoid"] = t * size
             if recompute == "none":
-                parts.update(shared_product=t * self.shared_dim * size, shared_scaled=t * self.shared_dim * size)
+                parts["shared_product"] = t * self.shared_dim * size
+                if self.shared_gate:
+                    parts["shared_scaled"] = t * self.shared_dim * size
         return parts
 
 

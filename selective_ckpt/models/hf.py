@@ -242,7 +242,9 @@ def plan(root, spec, model_type):
     qk_norms = set()
     if spec.qk_norm:
         attn = _child_of_role(spec, "attention")
-        qk_norms = {id(getattr(getattr(layer, attn), n)) for _, layer in layers for n in spec.qk_norm_children}
+        # a family whose q/k norms are optional by config (GLM-4.5's use_qk_norm) may have none
+        qk_norms = {id(m) for _, layer in layers for n in spec.qk_norm_children
+                    if (m := getattr(getattr(layer, attn), n, None)) is not None}
     patches = [(m, _norm_forward(spec.norm, "qkv" if id(m) in qk_norms else "residual"))
                for _, m in modules_of(root, spec.norm.cls)]
     if spec.dropout:

@@ -1,11 +1,13 @@
-"""GLM-4, ERNIE 4.5 and Hunyuan dense beyond the shared family checks: the attention forward that shares the
-interleaved rotary tables gives transformers' bits, and what a Hunyuan layer keeps (its q/k norms after RoPE) is
-the estimate in every form that counts those norms differently ("none", bf16 autocast), counted by hand too."""
+"""GLM-4, ERNIE 4.5, Hunyuan dense and GLM-4.5 (glm4_moe) beyond the shared family checks: the attention forward
+that shares the interleaved rotary tables gives transformers' bits; what a Hunyuan layer keeps (its q/k norms after
+RoPE) is the estimate in every form that counts those norms differently ("none", bf16 autocast), counted by hand
+too; GLM-4.5's dense layers before first_k_dense_replace, its optional q/k norms, its ungated shared experts in the
+estimate, and a block whose shared experts are not its MLP refused before anything changes."""
 
 import pytest
 import torch
 
-from selective_ckpt import convert
+from selective_ckpt import ConversionError, convert
 from selective_ckpt.models.configuration import layer_estimate
 from selective_ckpt.models.patching import PATCHED
 from selective_ckpt.registry import recomputable_layers
@@ -78,3 +80,51 @@ def test_estimate_of_rotated_qk_norms():
     for mode, extra in (("selective", t * heads * 4), ("none", t * heads * 4 + t * heads * 16 * 4)):
         llama = estimate(64, 4, 24, 2, torch.float32, recompute=mode, **kw)
         assert estimate(64, 4, 24, 2, torch.float32, recompute=mode, qk_norm="rotated", **kw) == llama + extra
+
+
+def test_glm4_moe_dense_layers_before_first_k_dense_replace():
+    ref, plain, ours = hf_checks.triple(by_name("glm4_moe").build(first_k_dense_replace=1))
+    assert [type(layer.mlp).__name__ for layer in ours.model.layers] == ["Glm4MoeMLP", "Glm4MoeMoE"]
+    ids, mask = hf_checks.batch()
+    hf_checks.assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+    assert ["moe" in layer._selective_ckpt.shape() for layer in recomputable_layers(ours)] == [False, True]
+
+
+@pytest.mark.parametrize("mode", ["selective", "none"])
+def test_glm4_moe_with_qk_norms_keeps_its_estimate(mode):
+    ids, _ = hf_checks.batch(b=2, s=24, pad_rows=False)
+
+    def layers(n):
+        torch.manual_seed(0)
+        model = by_name("glm4_moe").build(num_hidden_layers=n, use_qk_norm=True)().train()
+        model.config._attn_implementation = "sdpa"
+        return convert(model, recompute=mode)
+
+    ours = hf_checks.kept_bytes_per_layer(layers, {"input_ids": ids})
+    layer = recomputable_layers(layers(1))[0]
+    assert layer._selective_ckpt.shape()["qk_norm"] is True
+    assert ours == layer_estimate(layer, ids.shape[1], ids.shape[0])
+
+
+def test_moe_estimate_of_ungated_shared_experts():
+    """A shared expert added without a sigmoid gate keeps its gate and up outputs ("none": its product too), no
+    sigmoid output and no scaled product."""
+    from selective_ckpt.memory import MoE
+
+    gated, ungated = (MoE(num_experts=8, top_k=2, expert_dim=32, shared_dim=48, shared_gate=g) for g in (True, False))
+    for mode in ("selective", "none"):
+        a, b = gated.kept(10, 4, 4, mode), ungated.kept(10, 4, 4, mode)
+        assert a.pop("shared_sigmoid") == 10 * 4 and "shared_sigmoid" not in b
+        if mode == "none":
+            assert a.pop("shared_scaled") == 10 * 48 * 4 and b["shared_product"] == 10 * 48 * 4
+        assert a == b
+
+
+def test_glm4_moe_shared_experts_not_its_mlp_are_refused():
+    model = by_name("glm4_moe").build()()
+    model.model.layers[1].mlp.shared_experts = torch.nn.Linear(64, 64)
+    before = {n: type(m.forward) for n, m in model.named_modules()}
+    with pytest.raises(ConversionError, match="shared_experts"):
+        convert(model)
+    assert {n: type(m.forward) for n, m in model.named_modules()} == before
+    assert model.config._attn_implementation != "selective_ckpt"

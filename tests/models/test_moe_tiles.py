@@ -55,8 +55,10 @@ def _step(model, ids, mask, seed=3):
     torch.manual_seed(seed)
     out = model(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True, use_cache=False)
     out.loss.backward()
-    return ([("loss", out.loss.detach()), ("aux_loss", out.aux_loss.detach())] +
-            [(f"router_logits[{i}]", t.detach()) for i, t in enumerate(out.router_logits)] +
+    # GLM-4.5's causal LM has no load-balancing loss and returns no router logits
+    aux = [] if out.aux_loss is None else [("aux_loss", out.aux_loss.detach())]
+    return ([("loss", out.loss.detach())] + aux +
+            [(f"router_logits[{i}]", t.detach()) for i, t in enumerate(out.router_logits or ())] +
             [(f"grad {n}", p.grad.detach().clone()) for n, p in model.named_parameters() if p.grad is not None])
 
 

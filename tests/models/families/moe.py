@@ -21,6 +21,11 @@ QWEN2_MOE = {**_BASE, "intermediate_size": 80, "moe_intermediate_size": 32, "sha
              "num_experts": 6, "num_experts_per_tok": 2}
 QWEN3_MOE = {**_BASE, "intermediate_size": 80, "moe_intermediate_size": 32, "num_experts": 6,
              "num_experts_per_tok": 2, "norm_topk_prob": True}
+# every layer sparse (first_k_dense_replace 0: the estimate check compares a layer of each model); 6 experts in 2
+# groups, 1 of them chosen per token; GLM-4.5's routed_scaling_factor
+GLM4_MOE = {**_BASE, "head_dim": 16, "intermediate_size": 80, "moe_intermediate_size": 32, "n_routed_experts": 6,
+            "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 2,
+            "topk_group": 1, "routed_scaling_factor": 2.5}
 
 FAMILIES = [
     Family("mixtral", transformers.MixtralConfig, transformers.MixtralForCausalLM, MIXTRAL,
@@ -32,4 +37,10 @@ FAMILIES = [
     Family("qwen3_moe", transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, QWEN3_MOE,
            packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
            heads=(transformers.Qwen3MoeForSequenceClassification, transformers.Qwen3MoeForTokenClassification)),
+    # per-head q/k norms as a variant (use_qk_norm); PEFT takes gate_proj, up_proj and down_proj (even
+    # "shared_experts.down_proj") for the experts' fused parameters in this model type, so LoRA targets attention
+    Family("glm4_moe", transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, GLM4_MOE,
+           packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
+           variants=(("qk-norms", dict(use_qk_norm=True)),),
+           skip={"aux_loss": "Glm4MoeForCausalLM computes no load-balancing loss"}),
 ]
