@@ -31,8 +31,8 @@ The layer's attention must run `selective_ckpt.attention` (models/attention.py r
 `current()`); per-token arguments of the layer's forward (position embeddings, position ids, cache positions)
 are sliced to the tile, the attention mask is handed on whole and described once. The mechanism is transformers'
 checkpoint hook (`_gradient_checkpointing_func`), so it runs where "full" runs; what the layer keeps is the input
-(through the layer's pipeline, so it can be offloaded), plus 2 RNG states per tile (host memory, ~5 KB each; not in
-memory.estimate).
+(through the layer's pipeline, so it can be offloaded), plus, for each pass of a tile that drew random numbers
+(dropout), the RNG state before it (host memory, ~5 KB each; not in memory.estimate).
 """
 
 import contextlib
@@ -42,6 +42,7 @@ import threading
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from ..storages import is_fake
 from .tiling import tile_sizes
 
 TOKEN_DIM = 1  # hidden states are [B, S, h]
@@ -186,10 +187,25 @@ def _rng_state(x):
     return torch.get_rng_state(), get_device_states(x)
 
 
+def _if_drawn(state, x):
+    """`state` (the RNG state before a pass) if the pass drew random numbers since, else None: a pass without
+    dropout keeps no copy of the generators' state (5 KB for the CPU's)."""
+    cpu, (_, device_states) = state
+    if is_fake(x):  # fit's simulated step: no values to compare (and the states are not counted)
+        return state
+    now_cpu, (_, now_devices) = _rng_state(x)
+    if torch.equal(cpu, now_cpu) and all(torch.equal(a, b) for a, b in zip(device_states, now_devices)):
+        return None
+    return state
+
+
 @contextlib.contextmanager
 def _rng_restored(state, device_type):
     """Runs with the RNG state `state` and puts the state from before back after (the rebuild does not move the
-    step's random stream)."""
+    step's random stream); `state` None: the pass draws nothing, nothing to restore."""
+    if state is None:
+        yield
+        return
     cpu, (devices, device_states) = state
     before = _rng_state_of(devices, device_type)
     torch.set_rng_state(cpu)
@@ -221,13 +237,15 @@ class _TiledLayer(torch.autograd.Function):
         states_kv, states_tile = [], []
         K = V = y = None
         for start, end in run.bounds:
-            states_kv.append(_rng_state(x))
+            state = _rng_state(x)
             k, v = run.keys_values(run.rows(x, start, end), start, end)
+            states_kv.append(_if_drawn(state, x))
             K, V = _into(K, k, 2, start, end, run.length), _into(V, v, 2, start, end, run.length)
             del k, v
         for start, end in run.bounds:
-            states_tile.append(_rng_state(x))
+            state = _rng_state(x)
             out = run.tile(run.rows(x, start, end), start, end, K[:, :, :end], V[:, :, :end])
+            states_tile.append(_if_drawn(state, x))
             y = _into(y, out, TOKEN_DIM, start, end, run.length)
             del out
         del K, V

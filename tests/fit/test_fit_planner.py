@@ -115,6 +115,26 @@ def test_every_plan_runs_within_5_percent_of_its_prediction(form, rates):
     assert len(seen) >= 2, "the budgets should give different plans"
 
 
+def test_layer_tiled_plans_run_within_5_percent(monkeypatch):
+    """With 4 tiles a candidate (default_tiles, a few hundred tokens here), the leanest plan runs "full" layers in
+    query tiles; its predicted peak against the allocator's, its host bytes against the arena."""
+    from selective_ckpt.fit import planner
+
+    monkeypatch.setattr(planner, "default_tiles", lambda tokens, hidden: 4)
+    training = FORMS["lora bf16 autocast"]
+    with pytest.raises(PlanError) as err:
+        selective_ckpt.plan(_config(), gpu=1, host=1 << 40, batch=BATCH, seq_len=SEQ, form=training, rates=SLOW)
+    p = selective_ckpt.plan(_config(), gpu=err.value.min_gpu_bytes + 1, host=1 << 40, batch=BATCH, seq_len=SEQ,
+                            form=training, rates=SLOW)
+    assert any(q.layer_tiles == 4 for q in p), p.describe()
+    measured, arena = _measured(p, training)
+    over = 0.08 if p.host_bytes else 0.05
+    assert -0.05 * measured <= p.peak - measured <= over * measured, (p.describe(), p.peak, measured,
+                                                                       p.peak / measured)
+    copies = sum(1 for q in p[:-1] if q.offloaded)
+    assert p.host_bytes <= arena <= p.host_bytes + 8 * copies * 512, (p.describe(), p.host_bytes, arena)
+
+
 def test_keeps_when_everything_fits_offloads_on_a_fast_link_rebuilds_on_a_slow_one():
     form = FORMS["full fp32"]
     roomy = selective_ckpt.plan(_config(), gpu=1 << 40, host=1 << 40, batch=BATCH, seq_len=SEQ, form=form,
