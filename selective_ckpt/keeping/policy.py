@@ -44,7 +44,8 @@ PART_CLASSES = {
     "x1": "residual", "attn_out": "residual", "mlp_out": "residual",
     "gate_out": "mlp", "up_out": "mlp", "fc1_out": "mlp", "expert_gate_up": "mlp", "shared_gate_out": "mlp",
     "shared_up_out": "mlp",
-    "ln1_out": "norm_act", "ln2_out": "norm_act", "product": "norm_act", "gelu_out": "norm_act",
+    "ln1_out": "norm_act", "ln2_out": "norm_act", "qk_norm_out": "norm_act", "product": "norm_act",
+    "gelu_out": "norm_act",
     "shared_product": "norm_act", "shared_scaled": "norm_act",
 }
 
