@@ -578,6 +578,10 @@ def observe(recorder):
 
 
 def _current():
+    # None while dynamo traces: no pipeline is entered there (scope), and a traced graph must not read one an eager
+    # caller entered around it (its storage ids and dicts cannot be traced; the compiled graph decides what it keeps)
+    if torch.compiler.is_compiling():
+        return None
     return getattr(_state, "pipeline", None)
 
 
@@ -613,6 +617,8 @@ def cast(t, dtype):
 def note_kept(t, cls):
     """Shows an observing ledger a tensor kept outside the saved-tensor hooks (attention's outputs cached by the
     attention-kept checkpoint)."""
+    if torch.compiler.is_compiling():
+        return
     observer = getattr(_state, "observer", None)
     if observer is not None:
         observer.note(t, cls, None)

@@ -231,7 +231,15 @@ def weights_requested(module, kwargs):
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # a transformers without output-capturing hooks passes the flag down
         _active_collector = None
-    collected = _active_collector.get() if _active_collector is not None else None
+    if _active_collector is None:
+        collected = None
+    elif torch.compiler.is_compiling():
+        # dynamo cannot trace ContextVar.get: transformers' collector is a plain global once the model forward that
+        # sets it is traced too (`compiling`); a layer traced on its own (an eager model around it) reads the config
+        collected = getattr(_active_collector, "global_var", None) if getattr(_active_collector, "compiling",
+                                                                               False) else None
+    else:
+        collected = _active_collector.get()
     if collected is not None:
         return "attentions" in collected
     return bool(getattr(getattr(module, "config", None), "output_attentions", False))
@@ -374,7 +382,7 @@ def _own_buffers(query, key, value):
     """q, k, v as attention keeps them: one that is a view into a larger buffer none of the others keeps
     alive (GPT-NeoX's packed query_key_value output, of which RoPE made new q and k and only v is still a
     view) is copied, so the buffer is freed; views into one buffer the three share (GPT-2's c_attn) stay."""
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # compiled: the partitioner picks what is kept
         return query, key, value
     out = [query, key, value]
     storages = [(storage_id(t), storage_bytes(t)) for t in out]

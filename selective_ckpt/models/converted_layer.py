@@ -249,11 +249,28 @@ def _attention_reads_own_kv(caches):
             del cache.update  # the instance attribute; the class's method shows again
 
 
+def _without_caches(args, kwargs):
+    """The layer's arguments with every kv cache replaced by None and use_cache=False."""
+    from transformers.cache_utils import Cache
+
+    args = tuple(None if isinstance(a, Cache) else a for a in args)
+    kwargs = {k: (None if isinstance(v, Cache) else v) for k, v in kwargs.items()}
+    kwargs["use_cache"] = False
+    return args, kwargs
+
+
 def _decoder_layer_forward(self, *args, **kwargs):
     state = getattr(self, STATE)
     policy = state.policy
     mode = policy.recompute
     grad = torch.is_grad_enabled()
+    if torch.compiler.is_compiling():
+        # Traced by dynamo: AOTAutograd decides what the graph keeps (the pipeline stands aside there), and the
+        # eager bookkeeping (modules compared by weak reference, the announcement's logger, the kv cache's update
+        # swapped per call) would break the graph at every layer. Patches are made current by eager calls.
+        if mode in CHECKPOINTED and self.training and grad:
+            args, kwargs = _without_caches(args, kwargs)
+        return getattr(self, PATCHED)(*args, **kwargs)
     modules = None
     if grad and self.training:
         modules = state.make_current()
@@ -266,9 +283,7 @@ def _decoder_layer_forward(self, *args, **kwargs):
     if mode in CHECKPOINTED and self.training and grad:
         # The checkpointed re-run would append to a kv cache twice (transformers drops only a
         # keyword `cache`; GPT-2 passes it by position): a checkpointed layer fills none.
-        args = tuple(None if isinstance(a, Cache) else a for a in args)
-        kwargs = {k: (None if isinstance(v, Cache) else v) for k, v in kwargs.items()}
-        kwargs["use_cache"] = False
+        args, kwargs = _without_caches(args, kwargs)
         caches = []
     # Under "full" the layer's forward is checkpointed inside (transformers wraps the class's forward), and the
     # pipeline sees only the checkpoint's saved inputs: the layer input, offloaded when the policy says so.

@@ -158,7 +158,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # The gradient of the reduced loss per row is 1 / denom: formed now, scaled by grad_output later.
         scale = _stat_scalar(1.0, hidden) if denom is None else 1.0 / _stat_scalar(denom, hidden)
         _, loss, dx, dw, db = _head_pass(hidden, weight, bias, labels, scale, cfg, rows_per_chunk, any(needs), needs)
-        ctx.kept = [dx, dw, db]  # a list, emptied in backward so autograd can take the tensors over
+        if torch.compiler.is_compiling():
+            # traced: the gradients are saved tensors of the graph (a list on ctx emptied in backward would be a
+            # side effect dynamo refuses)
+            ctx.kept = None
+            ctx.save_for_backward(dx, dw, db)
+        else:
+            ctx.kept = [dx, dw, db]  # a list, emptied in backward so autograd can take the tensors over
         total = loss.sum()
         return total if denom is None else total / denom
 
@@ -171,6 +177,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scale = grad.contiguous().to(stat_dtype(hidden.dtype))
             _, _, dx, dw, db = _head_pass(hidden, weight, bias, labels, scale, ctx.cfg, ctx.rows_per_chunk, True,
                                           needs)
+        elif ctx.kept is None:  # traced (forward): no host read of grad, no in-place scaling of saved tensors
+            dx, dw, db = (None if g is None else g * grad for g in ctx.saved_tensors)
         else:
             dx, dw, db = ctx.kept
             ctx.kept.clear()
@@ -233,9 +241,12 @@ def check_labels(labels, vocab, ignore_index):
     """labels as int64, each in [0, vocab) or equal to ignore_index (F.cross_entropy fails on others too;
     a kernel would read past the row). One host sync on a GPU."""
     labels = labels.long()
-    if is_fake(labels):  # no values to check (selective_ckpt.fit's simulated step)
+    if is_fake(labels) and not torch.compiler.is_compiling():  # no values to check (selective_ckpt.fit's step)
         return labels
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if torch.compiler.is_compiling():  # a branch on values would break the graph: the check runs inside it
+        torch._assert_async(~bad.any(), f"labels must be in [0, {vocab}) or ignore_index ({ignore_index})")
+        return labels
     if bad.any():
         raise ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); got "
                          f"{labels[bad][0].item()} at position {bad.nonzero()[0].item()}")

@@ -8,6 +8,7 @@ import torch
 from selective_ckpt import convert, set_recompute
 from selective_ckpt.memory import estimate, plan
 from tests.models.hf_checks import VOCAB, batch, kept_bytes_per_layer
+from tests.reference import assert_within_rule
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -61,9 +62,12 @@ def test_plan_and_set_recompute_on_a_converted_model(build):
 
 
 def test_torch_compile_matches_eager():
-    """torch.compile of a converted Llama (CPU, inductor): the same loss and gradients as eager."""
+    """torch.compile of a converted Llama (CPU, inductor; one graph: tests/models/test_compile_graphs.py): the same
+    loss and gradients as eager, and gradients within the rule against the unconverted model in float64."""
     torch.manual_seed(0)
-    eager = convert(llama().train())
+    plain = llama().train()
+    ref = copy.deepcopy(plain).double()
+    eager = convert(copy.deepcopy(plain))
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model)
     ids, _ = batch(b=2, s=13, pad_rows=False)
@@ -77,3 +81,8 @@ def test_torch_compile_matches_eager():
     assert set(ge) == set(gc)
     for n in ge:
         torch.testing.assert_close(gc[n], ge[n], rtol=1e-4, atol=1e-6, msg=n)
+    for model in (plain, ref):
+        model(input_ids=ids, labels=ids).loss.backward()
+    gp, gr = ({n: p.grad for n, p in m.named_parameters()} for m in (plain, ref))
+    for n in gc:
+        assert_within_rule(gc[n], gp[n], gr[n], 3, name=n)
