@@ -3,10 +3,14 @@
 TRITON_INTERPRET must be set before triton is imported, so it is set here, first.
 """
 
+import contextlib
 import fnmatch
+import importlib.util
 import inspect
 import os
 import re
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,7 @@ BACKEND_ENV = "SELECTIVE_CKPT_BACKEND"
 ISA_ENV = "SELECTIVE_CKPT_TEST_ISA"
 
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 
 # ---- tiers ---------------------------------------------------------------------------------------------------
 # `python -m pytest` runs everything (CI: README's command). `python -m pytest -m "not slow"` is the fast run.
@@ -159,7 +164,104 @@ def _swept(item, name):
     return name in SWEEPS and "family" in params and str(params["family"]) != FAST_FAMILY
 
 
+# ---- warnings --------------------------------------------------------------------------------------------------
+# The suite runs without warnings. pyproject.toml's filterwarnings drops the third-party ones we cannot act on, each
+# with its reason; a test that makes selective_ckpt warn on purpose asserts it with pytest.warns; and a warning that
+# selective_ckpt's own code gives anywhere else fails the test (or the collection) it came from. "Own code": the
+# Python frame that issued the warning (its warnings.warn, or the torch or numpy call that warned from C) lies in
+# the package's source, whatever module `stacklevel` attributes the warning to — a filter on the module would miss
+# every warning addressed to the caller.
+OWN_SOURCES = (ROOT / "selective_ckpt", ROOT / "triton_kernels", ROOT / "examples", ROOT / "bench")
+
+
+def _installed_sources():
+    spec = importlib.util.find_spec("selective_ckpt")
+    return [Path(p) for p in (spec.submodule_search_locations or ())] if spec else []
+
+
+class OwnWarnings:
+    """Fails a test whose setup, call or teardown got a warning issued in `roots` outside pytest.warns (and a
+    collection that got one, such as a warning at import). Other warnings reach pytest's record unchanged."""
+
+    def __init__(self, roots):
+        self.roots = tuple(os.path.join(os.path.realpath(r), "") for r in roots)
+
+    def issued_here(self, filename):
+        return os.path.realpath(filename).startswith(self.roots)
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Within, warnings.showwarning notes the warnings issued in `roots` and hands every warning on to
+        the record of the innermost catch_warnings(record=True) (pytest's own, per test): a warning reaches
+        showwarning only after the filters let it through, and pytest.warns, which records with a
+        catch_warnings of its own, takes the warnings it expects before they get here."""
+        caught = []
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_globals.get("__name__") in ("warnings", "_py_warnings"):
+                frame = frame.f_back  # the warnings module's own frames (its warn is C, and has none)
+            if frame is not None and self.issued_here(frame.f_code.co_filename):
+                caught.append(f"{frame.f_code.co_filename}:{frame.f_lineno}: {category.__name__}: {message}")
+            sys.modules["warnings"]._showwarnmsg_impl(warnings.WarningMessage(message, category, filename, lineno,
+                                                                              file, line))
+
+        previous = warnings.showwarning
+        warnings.showwarning = showwarning
+        try:
+            yield caught
+        finally:
+            warnings.showwarning = previous
+
+    @staticmethod
+    def explain(caught):
+        return ("selective_ckpt warned (assert a warning the test expects with pytest.warns; fix the cause of "
+                "any other):\n" + "\n".join(f"  {c}" for c in caught))
+
+    def _guarded(self):
+        with self.watching() as caught:
+            result = yield
+        if caught:
+            pytest.fail(self.explain(caught), pytrace=False)
+        return result
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item):
+        return (yield from self._guarded())
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        return (yield from self._guarded())
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        return (yield from self._guarded())
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(self, collector):
+        with self.watching() as caught:
+            report = yield
+        if caught and report.outcome != "failed":
+            report.outcome, report.longrepr = "failed", self.explain(caught)
+        return report
+
+
+OWN_WARNINGS_PLUGIN = "selective_ckpt-own-warnings"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _said_once_per_process():
+    """selective_ckpt gives one notice once per process: in training with labels, the fused loss head returns
+    logits=None. Which test meets it first depends on which tests run, so the suite takes it as given;
+    tests/models/test_loss_head_logits.py gives it again on a fresh record and asserts it with pytest.warns."""
+    from selective_ckpt.models import loss_head
+
+    loss_head._SAID.add("logits")
+    yield
+
+
 def pytest_configure(config):
+    config.pluginmanager.register(OwnWarnings([*OWN_SOURCES, *_installed_sources()]), OWN_WARNINGS_PLUGIN)
     isa = os.environ.get(ISA_ENV)
     if isa:
         from selective_ckpt import _C
