@@ -53,9 +53,20 @@ def _config(module):
     return {k: norm(v) for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
 
 
-@functools.cache
+_REFERENCES = None
+
+
 def _references():
-    """(class, configuration, kernel activation) of the modules that stand for a table name."""
+    """(class, configuration, kernel activation) of the modules that stand for a table name, made once. A global
+    holds them rather than functools.cache, through which torch.compile traces with a warning (kernel_activation
+    runs in a patched MLP's forward)."""
+    global _REFERENCES
+    if _REFERENCES is None:
+        _REFERENCES = _make_references()
+    return _REFERENCES
+
+
+def _make_references():
     out = [(nn.SiLU, _config(nn.SiLU()), "silu"), (nn.GELU, _config(nn.GELU()), "gelu"),
            (nn.GELU, _config(nn.GELU(approximate="tanh")), "gelu_tanh")]
     try:

@@ -6,7 +6,7 @@
 
 Rows per model, measured in one run on the same tokens (labels = inputs, loss backward):
   sdpa        the model as transformers builds it, attn_implementation="sdpa"
-  hf-ckpt     that model with model.gradient_checkpointing_enable() (each decoder layer re-run)
+  hf-ckpt     that model with model.activation_checkpointing_enable() (each decoder layer re-run)
   selective   selective_ckpt.convert(model): our kernels, norm/activation outputs rebuilt in backward
 
 Training configurations (--configs; a Llama of its own shape, hidden 128, 4 heads, 2 kv heads,

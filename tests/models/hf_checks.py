@@ -153,9 +153,10 @@ def check_lora_both_orders(build, targets=("q_proj", "v_proj", "down_proj")):
 
     ref, plain, _ = triple(build)
     ids, mask = batch()
+    base = copy.deepcopy(plain)  # get_peft_model adds its layers to the model it wraps: LoRA once per copy
     ref_l, plain_l = lora(ref), lora(plain)
-    before = convert(lora(copy.deepcopy(plain)))
-    after = lora(convert(copy.deepcopy(plain)))
+    before = convert(lora(copy.deepcopy(base)))
+    after = lora(convert(base))
     for model in (before, after):
         assert_matches_reference(ref_l, plain_l, model, input_ids=ids, attention_mask=mask)
         with model.disable_adapter():

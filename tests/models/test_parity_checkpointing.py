@@ -2,6 +2,7 @@
 
 import copy
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -28,23 +29,35 @@ def _modes(model):
 
 def _enable(model, how):
     """Turns transformers' checkpointing on the way `how` names; the QLoRA recipe also adds LoRA adapters."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable is a deprecated alias
-        if how == "gradient_checkpointing_enable":
-            model.gradient_checkpointing_enable()
-        elif how == "every_2":
-            model.activation_checkpointing_enable(every_n_layers=2)
+    renamed = hasattr(model, "activation_checkpointing_enable")  # transformers' current name, where it has one
+    if how == "activation_checkpointing_enable":
+        if renamed:
+            model.activation_checkpointing_enable()
         else:
-            from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+            model.gradient_checkpointing_enable()
+    elif how == "gradient_checkpointing_enable":  # the name before the rename, still honoured with a FutureWarning
+        with pytest.warns(FutureWarning, match="gradient_checkpointing_enable") if renamed else nullcontext():
+            model.gradient_checkpointing_enable()
+    elif how == "every_2":
+        model.activation_checkpointing_enable(every_n_layers=2)
+    else:
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-            # peft takes its k-bit path (freeze, reentrant checkpointing, input grads) on the flag a 4-bit
-            # load sets; the Linears stay fp32 here, which changes nothing about the checkpointing
-            model.is_loaded_in_4bit = True
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
-            torch.manual_seed(7)
-            targets = ["c_attn", "c_fc"] if model.config.model_type == "gpt2" else ["q_proj", "v_proj", "down_proj"]
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                     init_lora_weights=False))
+        # peft takes its k-bit path (freeze, reentrant checkpointing, input grads) on the flag a 4-bit
+        # load sets; the Linears stay fp32 here, which changes nothing about the checkpointing
+        model.is_loaded_in_4bit = True
+        with warnings.catch_warnings():
+            # peft 0.21's prepare_model_for_kbit_training calls transformers' gradient_checkpointing_enable, the
+            # name transformers 5 deprecates; only that call of peft's, as this test of ours calls it too
+            warnings.filterwarnings("ignore", message="`gradient_checkpointing_enable` is deprecated",
+                                    category=FutureWarning)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                                    gradient_checkpointing_kwargs={"use_reentrant": True})
+        torch.manual_seed(7)
+        gpt2 = model.config.model_type == "gpt2"  # GPT-2's Conv1D holds its weight transposed: fan_in_fan_out
+        targets = ["c_attn", "c_fc"] if gpt2 else ["q_proj", "v_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=gpt2,
+                                                 init_lora_weights=False))
     return model
 
 
@@ -57,7 +70,7 @@ def _build(family, n, how=None, converted=True):
     return convert(model) if converted else model
 
 
-HOWS = ["gradient_checkpointing_enable", "every_2", "prepare_model_for_kbit_training"]
+HOWS = ["activation_checkpointing_enable", "every_2", "prepare_model_for_kbit_training"]
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -86,9 +99,9 @@ def test_checkpointed_layers_keep_what_checkpointing_keeps(family):
     at most what the unconverted checkpointed model keeps (the layer input), far below the selective floor."""
     ids, _ = batch(b=2, s=24, pad_rows=False)
     inputs = {"input_ids": ids}
-    ours = kept_bytes_per_layer(lambda n: _build(family, n, "gradient_checkpointing_enable"), inputs)
-    after = kept_bytes_per_layer(lambda n: _enable(_build(family, n), "gradient_checkpointing_enable"), inputs)
-    plain = kept_bytes_per_layer(lambda n: _build(family, n, "gradient_checkpointing_enable", converted=False),
+    ours = kept_bytes_per_layer(lambda n: _build(family, n, "activation_checkpointing_enable"), inputs)
+    after = kept_bytes_per_layer(lambda n: _enable(_build(family, n), "activation_checkpointing_enable"), inputs)
+    plain = kept_bytes_per_layer(lambda n: _build(family, n, "activation_checkpointing_enable", converted=False),
                                  inputs)
     selective = kept_bytes_per_layer(lambda n: _build(family, n), inputs)
     assert ours == after
@@ -96,8 +109,18 @@ def test_checkpointed_layers_keep_what_checkpointing_keeps(family):
     assert 2 * ours < selective
 
 
+@pytest.mark.parametrize("before", [True, False], ids=["before-convert", "after-convert"])
+def test_the_name_before_the_rename_still_turns_layers_full(before):
+    """transformers' gradient_checkpointing_enable, deprecated for activation_checkpointing_enable, does what
+    the current name does (with transformers' FutureWarning where the current name exists)."""
+    model = _build("llama", 2, "gradient_checkpointing_enable") if before else \
+        _enable(_build("llama", 2), "gradient_checkpointing_enable")
+    assert _modes(model) == ["full", "full"]
+    assert all(layer.gradient_checkpointing for layer in hf_checks._layers(model))
+
+
 def test_set_recompute_after_convert_still_changes_checkpointed_layers():
-    model = _build("llama", 2, "gradient_checkpointing_enable")
+    model = _build("llama", 2, "activation_checkpointing_enable")
     set_recompute(model, "selective")
     assert _modes(model) == ["selective", "selective"]
     assert not any(layer.gradient_checkpointing for layer in hf_checks._layers(model))
@@ -127,9 +150,9 @@ def test_full_asked_of_convert_is_said_and_checkpointing_switched_on_is_warned(c
     said = first_step_messages(plan)
     assert [lvl for lvl, _ in said] == [logging.INFO], said
     for before in (True, False):
-        model = _build("llama", 2, "gradient_checkpointing_enable") if before else _build("llama", 2)
+        model = _build("llama", 2, "activation_checkpointing_enable") if before else _build("llama", 2)
         if not before:
-            _enable(model, "gradient_checkpointing_enable")
+            _enable(model, "activation_checkpointing_enable")
         said = first_step_messages(model)
         assert any(lvl == logging.WARNING and '2 "full"' in m and "gradient_checkpointing=False" in m
                    for lvl, m in said), (before, said)

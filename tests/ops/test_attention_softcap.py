@@ -4,6 +4,7 @@ on the Triton kernels interpreted; odd shapes, GQA, every mask kind, dropout fro
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,7 +149,10 @@ def test_triton_softcap_against_float64(name, dtype, monkeypatch):
 @interpreted
 def test_triton_softcap_whole_tanh_range(monkeypatch):
     monkeypatch.setenv("SELECTIVE_CKPT_BACKEND", "triton")
-    check("full-cross", torch.float32, cap=1.0, spread=4.0)
+    # past |s / c| ~ 44 the kernel's tanh, 1 - 2 / (e^(2|x|) + 1), takes e^(2|x|) = inf and gives 1, as it does
+    # on a GPU, silently; the interpreter computes it in numpy, which reports the overflow
+    with np.errstate(over="ignore"):
+        check("full-cross", torch.float32, cap=1.0, spread=4.0)
 
 
 @interpreted

@@ -5,6 +5,7 @@ odd N, V not a multiple of the chunk, every reduction, label smoothing, soft-cap
 num_items_in_batch, fully ignored batches, frozen operands, bad arguments, opcheck of the kernel op,
 and the memory contract: what forward keeps and the step's peak, from the allocator's own events."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,10 +181,13 @@ def test_non_finite_logits(backend):
     b[3] = float("-inf")
     y[y == 3] = 4
     ref = F.cross_entropy(F.linear(x.double(), w.double(), b.double()), y, reduction="none")
-    loss = linear_cross_entropy(x, w, y, b, reduction="none")
-    torch.testing.assert_close(loss.double(), ref, atol=1e-6, rtol=1e-5)
-    x[2, 0] = float("nan")
-    loss = linear_cross_entropy(x, w, y, b, reduction="none")
+    # the kernels take the -inf logit through exp and log as IEEE arithmetic does (and the NaN through every
+    # step): silent on a GPU and in C++; the Triton interpreter runs them in numpy, which reports those steps
+    with np.errstate(invalid="ignore", divide="ignore"):
+        loss = linear_cross_entropy(x, w, y, b, reduction="none")
+        torch.testing.assert_close(loss.double(), ref, atol=1e-6, rtol=1e-5)
+        x[2, 0] = float("nan")
+        loss = linear_cross_entropy(x, w, y, b, reduction="none")
     assert loss[2].isnan() and torch.isfinite(loss[[0, 1, 3, 4, 5]]).all()
 
 

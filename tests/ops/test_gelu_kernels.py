@@ -1,6 +1,7 @@
 """The GELU kernels themselves (both forms, both backends): opcheck, agreement with torch in float64,
 float32 accuracy in ulps, 16-bit rounding (the float kernel rounded once)."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,8 @@ def test_16bit_kernels_round_the_float_kernel(dtype, backend):
                                    **exact)
         g16 = (torch.randn(3, 1001) * 2).to(dtype)
         g32 = g16.float()
-        gelu_backward_op(g16, x, approximate)
-        gelu_backward_op(g32, x.float(), approximate)
+        # that inf * 0 is NaN, silently on a GPU and in C++; the Triton interpreter's numpy reports it
+        with np.errstate(invalid="ignore"):
+            gelu_backward_op(g16, x, approximate)
+            gelu_backward_op(g32, x.float(), approximate)
         torch.testing.assert_close(g16, g32.to(dtype), **exact)
