@@ -52,6 +52,8 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
         delta_base = DELTA + stat_head + hh * Sq
         bh = bh_head + hh
         rows = start + offs
+        if DROPOUT:
+            gstart = start + q_offset  # the block's first key position, for the masks and the dropout rows
         q = _load_rows(q_base + start.to(tl.int64) * sqm, offs, sqm, Sq - start, dims, D, CHECK, EVEN_D)
         do = _load_rows(do_base + start.to(tl.int64) * sdm, offs, sdm, Sq - start, dims, D, CHECK, EVEN_D)
         if CHECK:
@@ -65,7 +67,12 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
         if MASKED or HAS_PAD:
             # Masks at the rows' key positions pos = rows + q_offset (rows < Sq iff pos < Sq + q_offset).
             # dsk/dek are the keys' document bounds: i shares j's document iff dsk <= pos < dek.
-            pos = rows + q_offset
+            # (with dropout from gstart, shared with the Philox rows: formed apart, it spilled registers; without,
+            # from rows: from gstart it spilled under documents and a window at D = 128)
+            if DROPOUT:
+                pos = gstart + offs
+            else:
+                pos = rows + q_offset
             ok = _allowed(pos[None, :], cols[:, None], Sq + q_offset, Sk, window, 0, 0, pad, MASKED, CHECK, False,
                           CAUSAL, WINDOW, False, HAS_PAD)
             if MASKED and VARLEN:
@@ -73,7 +80,7 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
             pt = tl.where(ok, pt, 0.0)
         dpt = _dot(vb, tl.trans(do), IEEE)
         if DROPOUT:
-            bits = attention_keep_bits_t(k0, k1, start + q_offset, c0, bh, t16, BLOCK_M, BLOCK_N)
+            bits = attention_keep_bits_t(k0, k1, gstart, c0, bh, t16, BLOCK_M, BLOCK_N)
             pt_kept, dpt = apply_keep_bit(bits, pt, dpt)
             dv += _dot(to_storage(pt_kept, do.dtype), do, IEEE)  # keep_scale: applied at the store
             dpt = dpt * keep_scale
