@@ -577,6 +577,18 @@ def observe(recorder):
         _state.observer = previous
 
 
+# While dynamo traces a converted layer's training forward: whether its policy rebuilds norm_act (set by the layer,
+# read by the patched norms and activations, which then run in checkpoint regions: compiled_rebuilds)
+_COMPILED_REBUILDS = [False]
+
+
+def compiled_rebuilds():
+    """Whether a norm or activation output traced now is one the layer's policy rebuilds: under torch.compile the
+    pipeline's hooks stand aside, so the patched forwards put such outputs in checkpoint regions and the compiled
+    backward recomputes them (the partitioner alone keeps a custom op's output)."""
+    return torch.compiler.is_compiling() and torch.is_grad_enabled() and _COMPILED_REBUILDS[0]
+
+
 def _current():
     # None while dynamo traces: no pipeline is entered there (scope), and a traced graph must not read one an eager
     # caller entered around it (its storage ids and dicts cannot be traced; the compiled graph decides what it keeps)

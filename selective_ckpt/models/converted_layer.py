@@ -270,7 +270,12 @@ def _decoder_layer_forward(self, *args, **kwargs):
         # swapped per call) would break the graph at every layer. Patches are made current by eager calls.
         if mode in CHECKPOINTED and self.training and grad:
             args, kwargs = _without_caches(args, kwargs)
-        return getattr(self, PATCHED)(*args, **kwargs)
+        rebuilds = pipeline._COMPILED_REBUILDS
+        previous, rebuilds[0] = rebuilds[0], policy.recompute == "selective" and self.training and grad
+        try:
+            return getattr(self, PATCHED)(*args, **kwargs)
+        finally:
+            rebuilds[0] = previous
     modules = None
     if grad and self.training:
         modules = state.make_current()

@@ -9,6 +9,7 @@ Linear, a LoRA layer, a quantized Linear) keeps a placeholder instead, rebuilt o
 import functools
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .. import rng
 from ..activations import GELU_APPROXIMATE, has_own_hooks, kernel_activation
@@ -20,6 +21,15 @@ from ..ops.layer_norm import layer_norm_apply, layer_norm_fwd
 from ..ops.rms_norm import rms_norm_apply, rms_norm_fwd
 from ..ops.swiglu import gated_product, gated_product_op
 from .patching import PATCHED
+
+
+def rebuilt_in_backward(fn, *args):
+    """fn(*args), a norm's or activation's differentiable output; in a compiled forward whose layer rebuilds those
+    (pipeline.compiled_rebuilds), in a checkpoint region, so the compiled backward recomputes it from args as the
+    eager pipeline rebuilds it."""
+    if pipeline.compiled_rebuilds():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 def norm_input(x, kept):
@@ -42,6 +52,8 @@ def layer_norm_forward(self, x, kept="residual"):
     w = self.weight.to(x.dtype)
     b = None if bias is None else bias.to(x.dtype)
     eps = self.eps if hasattr(self, "eps") else self.variance_epsilon
+    if pipeline.compiled_rebuilds():
+        return rebuilt_in_backward(lambda x, w, b: layer_norm_fwd(x, w, b, float(eps))[0], x, w, b)
     y, mean, rstd = layer_norm_fwd(x, w, b, float(eps))
     return pipeline.discardable(y, layer_norm_apply, x, w, b, mean, rstd)
 
@@ -54,6 +66,8 @@ def rms_norm_forward(self, x, offset=0.0, kept="residual"):
     norm_input(x, kept)
     eps = float(self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps)
     if self.weight.dtype == x.dtype:
+        if pipeline.compiled_rebuilds():
+            return rebuilt_in_backward(lambda x, w: rms_norm_fwd(x, w, eps, offset)[0], x, self.weight)
         y, rstd = rms_norm_fwd(x, self.weight, eps, offset)
         return pipeline.discardable(y, rms_norm_apply, x, self.weight, rstd, offset)
     if offset:
@@ -103,7 +117,7 @@ class _GELU(torch.autograd.Function):
 
 
 def gelu(h, approximate):
-    a = _GELU.apply(h, approximate)
+    a = rebuilt_in_backward(lambda h: _GELU.apply(h, approximate), h)
     return pipeline.discardable(a, gelu_op, h.contiguous(), approximate)
 
 
@@ -162,7 +176,7 @@ def activate(act_fn, h, up=None):
     if kernel is not None and (up is not None or kernel in GELU_APPROXIMATE):  # no plain-SiLU kernel
         if up is None:
             return gelu(h, GELU_APPROXIMATE[kernel])
-        p = gated_product(h, up, kernel)
+        p = rebuilt_in_backward(functools.partial(gated_product, activation=kernel), h, up)
         return pipeline.discardable(p, gated_product_op, h, up, kernel)
     if has_own_hooks(act_fn):
         a = act_fn(h)
