@@ -174,9 +174,36 @@ def _forget(ref):
         _LAST[0] = None
 
 
+def _traced_describe(mask, batch, seq, window, name, heads):
+    """describe_mask while dynamo traces, without a branch on the mask's values (each would break the graph at
+    every layer): the key padding is always given (all True without padding, the same result), and a mask that
+    is not causal + key padding (packed documents, which eager describes by offsets; anything eager hands to
+    SDPA) fails an assertion in the graph, naming it."""
+    if (mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads)
+            or tuple(mask.shape[-2:]) != (seq, seq)):
+        raise ConversionError(f"{name}: attention_mask of shape {list(mask.shape)} is not [B, 1, S, S] for B={batch}, "
+                              f"S={seq}")
+    allowed = (mask if mask.dtype == torch.bool else mask == 0).expand(batch, -1, -1, -1)
+    same_heads = (allowed == allowed[:, :1]).all()
+    allowed = allowed[:, 0]
+    pad = allowed.diagonal(dim1=-2, dim2=-1).contiguous()
+    idx = torch.arange(seq, device=mask.device)
+    expected = (idx[None, :, None] >= idx[None, None, :]) & pad[:, None, :]
+    if window:
+        expected &= idx[None, :, None] - idx[None, None, :] < window
+    live = expected.any(-1, keepdim=True)
+    torch._assert_async(same_heads & ((allowed == expected) | ~live).all(),
+                        f"{name}: under torch.compile attention_mask must be causal + key padding"
+                        f"{f' with sliding window {window}' if window else ''} (packed documents: pass cu_seq_lens_q "
+                        "and cu_seq_lens_k; other masks run eager)")
+    return pad, None
+
+
 def _cached_describe(mask, batch, seq, window, name, heads):
     """describe_mask, once per mask for all layers; an Inexpressible mask stays so for every layer."""
-    if torch.compiler.is_compiling() or mask.is_inference():
+    if torch.compiler.is_compiling():
+        return _traced_describe(mask, batch, seq, window, name, heads)
+    if mask.is_inference():
         return describe_mask(mask, batch, seq, window, name, heads)
     last = _LAST[0]
     key = (mask._version, batch, seq, window, heads)

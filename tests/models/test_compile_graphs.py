@@ -30,14 +30,18 @@ def gpt2(n):
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()
 
 
-@pytest.mark.parametrize("build,layers", [(llama, 2), (llama, 3), (gpt2, 2)], ids=["llama-2", "llama-3", "gpt2-2"])
-def test_torch_compile_sees_one_graph_for_the_training_forward(build, layers):
+@pytest.mark.parametrize("build,layers,padded", [(llama, 2, False), (llama, 3, False), (llama, 3, True),
+                                                  (gpt2, 2, False)],
+                         ids=["llama-2", "llama-3", "llama-3-padded", "gpt2-2"])
+def test_torch_compile_sees_one_graph_for_the_training_forward(build, layers, padded):
     """No graph break in any layer nor in the fused loss head (the unconverted model is one graph too), whatever
-    the depth."""
+    the depth, with a padded batch too (its mask described in the graph)."""
     model = convert(build(layers))
     ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids, attention_mask=mask if padded else None)
     assert [b.reason for b in explained.break_reasons] == []
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
@@ -81,3 +85,25 @@ def test_torch_compile_fullgraph_layer_keeps_its_eager_bytes():
     y = torch.compile(layer, fullgraph=True)(x.clone().requires_grad_(True), **kw)
     statistics = 2 * x.shape[0] * x.shape[1] * 4  # one fp32 rstd per token for each of the two norms
     assert selective_ckpt.memory.graph_saved_bytes(y, exclude=[layer, cos, sin]) == kept - statistics
+
+
+def test_torch_compile_describes_key_padding_and_refuses_other_masks_in_the_graph():
+    """Traced, a mask is described without a branch on its values: the key padding eager finds (all True where
+    eager finds none), and a mask eager would describe otherwise (packed documents) fails in the graph."""
+    from selective_ckpt.models.attention import _cached_describe, describe_mask
+
+    s = 6
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    padded = causal[None, None].repeat(2, 1, 1, 1)
+    padded[1, ..., 4:] = False
+    docs = causal.clone()
+    docs[3:, :3] = False  # two documents of three tokens
+    torch._dynamo.reset()
+    traced = torch.compile(lambda m, b: _cached_describe(m, b, s, None, "attn", 4), backend="aot_eager",
+                           fullgraph=True)
+    pad, cu = traced(padded, 2)
+    assert cu is None and torch.equal(pad, describe_mask(padded, 2, s, None, "attn", 4)[0])
+    pad, cu = traced(causal[None, None], 1)
+    assert cu is None and bool(pad.all())
+    with pytest.raises(RuntimeError, match="causal \\+ key padding"):
+        traced(docs[None, None], 1)

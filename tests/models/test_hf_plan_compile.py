@@ -61,19 +61,24 @@ def test_plan_and_set_recompute_on_a_converted_model(build):
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
-def test_torch_compile_matches_eager():
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "right-padded"])
+def test_torch_compile_matches_eager(padded):
     """torch.compile of a converted Llama (CPU, inductor; one graph: tests/models/test_compile_graphs.py): the same
-    loss and gradients as eager, and gradients within the rule against the unconverted model in float64."""
+    loss and gradients as eager, and gradients within the rule against the unconverted model in float64; with
+    right padding too (the key padding described inside the graph)."""
     torch.manual_seed(0)
     plain = llama().train()
     ref = copy.deepcopy(plain).double()
     eager = convert(copy.deepcopy(plain))
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model)
-    ids, _ = batch(b=2, s=13, pad_rows=False)
+    ids, mask = batch(b=2, s=13, pad_rows=False)
+    if padded:
+        mask[1, 9:] = 0
+    inputs = dict(input_ids=ids, labels=ids, attention_mask=mask if padded else None)
     results = []
     for model, params in ((eager, eager), (compiled, compiled_model)):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**inputs).loss
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in params.named_parameters()}))
     (le, ge), (lc, gc) = results
@@ -82,7 +87,7 @@ def test_torch_compile_matches_eager():
     for n in ge:
         torch.testing.assert_close(gc[n], ge[n], rtol=1e-4, atol=1e-6, msg=n)
     for model in (plain, ref):
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(**inputs).loss.backward()
     gp, gr = ({n: p.grad for n, p in m.named_parameters()} for m in (plain, ref))
     for n in gc:
         assert_within_rule(gc[n], gp[n], gr[n], 3, name=n)
