@@ -95,9 +95,10 @@ def test_gelu_tails_match_eager(approximate, dtype, backend):
     xe = x.clone().requires_grad_(True)
     ye = F.gelu(xe, approximate=approximate)
     ye.backward(torch.ones_like(ye))
-    a = gelu_op(x, approximate)
-    g = torch.ones_like(x)
-    gelu_backward_op(g, x, approximate)
+    with _interpreter_ieee_steps():
+        a = gelu_op(x, approximate)
+        g = torch.ones_like(x)
+        gelu_backward_op(g, x, approximate)
     want_a = ye.detach().clone()
     if approximate == "none":
         # eager's erf GELU gives NaN at +inf; its limit (+inf, what the tanh form gives) is kept
@@ -106,12 +107,21 @@ def test_gelu_tails_match_eager(approximate, dtype, backend):
     torch.testing.assert_close(g, xe.grad, atol=0, rtol=0, equal_nan=True)
 
 
+def _interpreter_ieee_steps():
+    """numpy's reports of the inf and NaN steps these inputs take on purpose (the Triton interpreter computes with
+    numpy): silenced around the kernel calls only."""
+    import numpy as np
+
+    return np.errstate(invalid="ignore", over="ignore")
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_tanh_gradient_decays_for_large_negative_inputs(approximate, backend):
     # between the moderate range and the tails: gelu'(h) vanishes monotonically, never a huge value
     h = -torch.logspace(0.5, 37, 400)
     g = torch.ones_like(h)
-    gelu_backward_op(g, h, approximate)
+    with _interpreter_ieee_steps():
+        gelu_backward_op(g, h, approximate)
     ref = torch.func.grad(lambda t: F.gelu(t, approximate=approximate).sum())(h.double())
     assert ((g.double() - ref).abs() <= 1e-6).all()
     assert (g[h < -30] == 0).all()
@@ -295,13 +305,15 @@ def test_dropout_keeps_nan_and_inf_non_finite_like_f_dropout(dtype, backend):
     keep = sc.rng.elementwise_keep_mask(seed, rows, cols, p)
     m = keep.to(torch.float64) * sc.rng.keep_scale(p)
     want = (x.detach().double() * m).to(dtype)  # F.dropout's rule: x times a {0, scale} mask
-    y = sc.dropout(x, p, seed=seed)
+    with _interpreter_ieee_steps():
+        y = sc.dropout(x, p, seed=seed)
     assert 0 < int(keep.sum()) < rows * cols
     torch.testing.assert_close(y, want, equal_nan=True, atol=0, rtol=0)
     assert y[:, :-3].isnan().sum() == (~keep[:, :-3]).sum() + x[:, :-3].isnan().logical_and(keep[:, :-3]).sum()
     # gradients: a NaN upstream gradient stays NaN at dropped positions too
     g = torch.full_like(y, math.nan)
-    (gx,) = torch.autograd.grad(y, x, g)
+    with _interpreter_ieee_steps():
+        (gx,) = torch.autograd.grad(y, x, g)
     assert gx.isnan().all()
 
 
