@@ -218,7 +218,7 @@ def fit(config, gpu_bytes, batch=1, seq_len="max", form=None, host_bytes=None, r
     if seq_len != "max":
         proj.simulate(seq_len)
     budgets = (gpu_bytes, host_bytes)
-    max_context, sources = _longest_all(proj, budgets, limit)
+    max_context, sources = _longest_all(proj, budgets, limit, rates)
     if seq_len == "max":
         named = [n for n in VARIANTS if n != "ours plan"]
         target = "ours plan" if max_context["ours plan"] else max(named, key=max_context.get)
@@ -228,11 +228,11 @@ def fit(config, gpu_bytes, batch=1, seq_len="max", form=None, host_bytes=None, r
             if proj.simulated(at, group):
                 break
             proj.simulate(at, group)
-            max_context, sources = _longest_all(proj, budgets, limit)
+            max_context, sources = _longest_all(proj, budgets, limit, rates)
         seq_len = max(1, max_context[target])
         if not proj.simulated(seq_len):  # the other rows at the same context, simulated too
             proj.simulate(seq_len, tuple(g for g in _GROUPS if g not in group or not proj.simulated(seq_len, (g,))))
-            max_context, sources = _longest_all(proj, budgets, limit)
+            max_context, sources = _longest_all(proj, budgets, limit, rates)
             seq_len = max(1, max_context[target])
     found = variants(proj, seq_len, rates=rates, names=tuple(n for n in VARIANTS if n != "ours plan"))
     plan, found["ours plan"] = plan_at(proj, seq_len, gpu_bytes, host_bytes, rates)
@@ -258,13 +258,14 @@ def _fixed(proj):
     return layered._line("weights")(L) + layered._line("state")(L)
 
 
-def _longest_all(proj, budgets, limit):
+def _longest_all(proj, budgets, limit, rates=None):
     """({name: longest context that fits}, {name: the variant it is read from, where another})."""
     out, sources = {}, {}
     for name in VARIANTS:
         if name != "ours plan":
             out[name] = _longest(proj, name, budgets, limit)
-    out["ours plan"] = _longest_plan(proj, budgets, limit, max(v for k, v in out.items() if k.startswith("ours")))
+    out["ours plan"] = _longest_plan(proj, budgets, limit, max(v for k, v in out.items() if k.startswith("ours")),
+                                     rates)
     return out, sources
 
 
@@ -301,9 +302,11 @@ def _longest(proj, name, budgets, limit):
     return _search(fits, _guess(proj, name, gpu_bytes, limit), limit)
 
 
-def _longest_plan(proj, budgets, limit, known):
+def _longest_plan(proj, budgets, limit, known, rates=None):
     """The plan's longest context: the longest at which any policy on every layer fits (a plan holds at least
-    what its leanest policy alone does), at least `known` (the longest of ours' variants, each a plan)."""
+    what its leanest policy alone does), at least `known` (the longest of ours' variants, each a plan); then, with
+    `rates`, the longest at which the planner finds a plan, which mixes policies (where the host budget ends the
+    leanest policy, some layers keep their inputs on the GPU)."""
     if proj.model.ours_error():
         return 0
     gpu_bytes, host_bytes = budgets
@@ -312,9 +315,12 @@ def _longest_plan(proj, budgets, limit, known):
         return any(_fits(v.peak, gpu_bytes) and _host_fits(v.host, host_bytes)
                    for v in uniform_candidates(proj, s))
 
-    if known >= limit or not fits(known + 1):
-        return known
-    return _search(fits, known + 1, limit)
+    longest = known
+    if known < limit and fits(known + 1):
+        longest = _search(fits, known + 1, limit)
+    if rates is None or longest >= limit or longest == 0:
+        return longest
+    return _search(lambda s: plan_at(proj, s, gpu_bytes, host_bytes, rates)[0] is not None, longest + 1, limit)
 
 
 def _search(fits, guess, limit):
