@@ -185,7 +185,15 @@ def with_lora(model, form):
     for p in model.parameters():
         p.requires_grad_(False)
     return get_peft_model(model, LoraConfig(r=form.rank, lora_alpha=2 * form.rank, target_modules=targets,
-                                            lora_dropout=form.lora_dropout))
+                                            lora_dropout=form.lora_dropout, fan_in_fan_out=_conv1d_targets(model,
+                                                                                                          targets)))
+
+
+def _conv1d_targets(model, targets):
+    """Whether the targets are transformers' Conv1D (GPT-2's, weights stored transposed): PEFT's fan_in_fan_out."""
+    from transformers.pytorch_utils import Conv1D
+
+    return any(isinstance(m, Conv1D) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets)
 
 
 def checkpointing(model, on):

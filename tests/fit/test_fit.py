@@ -81,8 +81,11 @@ def _build(family, config, form, tmp_path):
     if form.kind != "full":
         from peft import LoraConfig, get_peft_model
 
+        from selective_ckpt.fit.simulate import _conv1d_targets
+
         model = get_peft_model(model, LoraConfig(r=form.rank, lora_alpha=2 * form.rank,
-                                                 target_modules=list(form.targets), lora_dropout=form.lora_dropout))
+                                                 target_modules=list(form.targets), lora_dropout=form.lora_dropout,
+                                                 fan_in_fan_out=_conv1d_targets(model, form.targets)))
     # SDPA's fused kernels, as on GPU (families transformers builds eager only, Gemma2's, run them too: with
     # no attention soft-capping the two compute the same)
     (model.get_base_model() if hasattr(model, "get_base_model") else model).config._attn_implementation = "sdpa"
