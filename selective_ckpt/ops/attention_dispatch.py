@@ -27,8 +27,9 @@ CPU_FLASH = "sdpa_cpu_flash"  # aten._scaled_dot_product_flash_attention_for_cpu
 FLASH = "sdpa_flash"  # aten._flash_attention_forward: FlashAttention-2, dense or varlen (PyTorch's varlen_attn)
 EFFICIENT = "sdpa_efficient"  # aten._efficient_attention_forward: the memory-efficient (cutlass) kernel
 
-# Measured ours against the CPU flash kernel, fwd+bwd, fp32 and bf16, S 128-2048 (docs/kernels/attention.md,
-# "Backends"): ours was faster at every shape, so "auto" on CPU runs ours; "sdpa" forces the CPU flash kernel.
+# Measured ours against the CPU flash kernel through the op, fwd+bwd (bench.attention --backends; docs/kernels/
+# attention.md, "Backends"): on an AMD EPYC ours was 1.08-2x faster at every S >= 256 (D 64 and 128, fp32 and bf16,
+# causal and not, GQA), so "auto" on CPU runs ours; "sdpa" forces the CPU flash kernel.
 CPU_AUTO = OURS
 
 _log = logging.getLogger("selective_ckpt")
