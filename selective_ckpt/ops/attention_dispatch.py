@@ -13,6 +13,7 @@ backward gives right gradients.
 and the setting (`backend.attention_setting()`): tested on CPU branch by branch, whatever the machine.
 """
 
+import contextlib
 import functools
 import logging
 import math
@@ -235,6 +236,23 @@ def forward(name, q, k, v, mask, cu_seqlens, causal, window, scale, q_offset):
     raise ValueError(f"unknown attention kernel {name!r}")
 
 
+@contextlib.contextmanager
+def deterministic():
+    """PyTorch's CUDA attention backwards split the keys and add up dQ (or dK, dV) atomically unless deterministic
+    algorithms are on (warn-only is not on): on for the call, so the same inputs give the same bits, as ours do.
+    The flag is the process's; the backward of one device runs on one autograd thread, so no other op of it
+    runs meanwhile."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if was and not warn_only:
+        yield
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 def _efficient_mask_type(causal, q_offset):
     return 0 if not causal else (1 if q_offset == 0 else 2)  # none, causal from top-left, from bottom-right
 
@@ -252,14 +270,16 @@ def backward(name, do, q, k, v, o, lse, mask, cu_seqlens, causal, window, scale,
         unused = torch.empty(0, device=q.device)
         Sq, Sk = q.shape[2], k.shape[2]
         if cu_seqlens is not None:
-            g = torch.ops.aten._flash_attention_backward(
-                dot[0], qt[0], kt[0], vt[0], ot[0], lse[0], cu_seqlens, cu_seqlens, Sq, Sk, 0.0, causal, rng_state,
-                unused, scale=scale, window_size_left=left, window_size_right=right)
+            with deterministic():
+                g = torch.ops.aten._flash_attention_backward(
+                    dot[0], qt[0], kt[0], vt[0], ot[0], lse[0], cu_seqlens, cu_seqlens, Sq, Sk, 0.0, causal,
+                    rng_state, unused, scale=scale, window_size_left=left, window_size_right=right)
             g = [t[None] for t in g]
         else:
-            g = torch.ops.aten._flash_attention_backward(
-                dot, qt, kt, vt, ot, lse, None, None, Sq, Sk, 0.0, causal, rng_state, unused, scale=scale,
-                window_size_left=left, window_size_right=right)
+            with deterministic():
+                g = torch.ops.aten._flash_attention_backward(
+                    dot, qt, kt, vt, ot, lse, None, None, Sq, Sk, 0.0, causal, rng_state, unused, scale=scale,
+                    window_size_left=left, window_size_right=right)
         g = [t.transpose(1, 2) for t in g]
     elif name == EFFICIENT:
         B, H, Sq, _ = q.shape
@@ -269,9 +289,10 @@ def backward(name, do, q, k, v, o, lse, mask, cu_seqlens, causal, window, scale,
         padded = lse.new_full((B, H, -(-Sq // 32) * 32), math.inf)  # the kernel's own lse layout
         padded[:, :, :Sq] = lse
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # unused without dropout
-        g = torch.ops.aten._efficient_attention_backward(
-            dot, qt, kt, vt, bias, ot, None, None, Sq, Sk, padded, 0.0, seed, seed,
-            _efficient_mask_type(causal, q_offset), False, scale=scale)[:3]
+        with deterministic():
+            g = torch.ops.aten._efficient_attention_backward(
+                dot, qt, kt, vt, bias, ot, None, None, Sq, Sk, padded, 0.0, seed, seed,
+                _efficient_mask_type(causal, q_offset), False, scale=scale)[:3]
         g = [t.transpose(1, 2) for t in g]
     else:
         raise ValueError(f"unknown attention kernel {name!r}")

@@ -322,6 +322,25 @@ def test_backward_runs_the_forwards_kernel_and_is_deterministic(setting, ran):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("before", [None, "warn_only", "on"])
+def test_cuda_backwards_run_deterministic_and_leave_the_flag_as_it_was(before):
+    # PyTorch's CUDA attention backwards are deterministic only under the flag (warn-only is not enough)
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(before is not None, warn_only=before == "warn_only")
+        with dispatch.deterministic():
+            assert torch.are_deterministic_algorithms_enabled()
+            assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.are_deterministic_algorithms_enabled() == (before is not None)
+        assert torch.is_deterministic_algorithms_warn_only_enabled() == (before == "warn_only")
+        with pytest.raises(RuntimeError, match="inside"):
+            with dispatch.deterministic():
+                raise RuntimeError("inside")
+        assert torch.are_deterministic_algorithms_enabled() == (before is not None)
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
 def test_a_setting_changed_between_forward_and_backward_still_gives_right_gradients(setting):
     # The saved o and lse mean the same for every kernel, so either backward reads the other's forward.
     q, k, v = inputs(2, 4, 2, 17, 17, 32, F32)
@@ -413,8 +432,11 @@ def test_cuda_kernel_forced_meets_the_rule(case, setting, ran):
     if "key_padding_mask" in kw:
         kw["key_padding_mask"] = _padding(B, Sk, kw["key_padding_mask"] == "empty").cuda()
     q, k, v = inputs(B, H, Hkv, Sq, Sk, D, dtype, device="cuda")
-    check_rule(q, k, v, kw, f32_abs=1e-4)
+    first = check_rule(q, k, v, kw, f32_abs=1e-4)
     assert ran == [("forward", name), ("backward", name)]
+    again = check_rule(q, k, v, kw, f32_abs=1e-4)
+    for a, b in zip(first, again):  # deterministic: the same bits
+        assert torch.equal(a, b)
     setting("ours")
     o_ours, lse_ours = attention_fwd_op(q, k, v, kw.get("key_padding_mask"), kw.get("cu_seqlens"), kw["causal"],
                                         kw.get("sliding_window", 0), 0.0, D**-0.5, None, 0.0, kw.get("q_offset", 0))
