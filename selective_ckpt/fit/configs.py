@@ -30,6 +30,8 @@ BUNDLED = {
     "Mistral-7B": "mistral-7b.json",
     "Gemma-2-9B": "gemma-2-9b.json",
     "Mixtral-8x7B": "mixtral-8x7b.json",
+    # hybrids: three linear-attention (Gated DeltaNet) layers to each full-attention one
+    "Qwen3-Next-80B-A3B": "qwen3-next-80b-a3b.json",
 }
 
 

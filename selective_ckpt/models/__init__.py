@@ -88,6 +88,14 @@ def _check_tiles(layers, patches, spec, layer_policy):
     """A policy that runs the MLP in tiles needs every layer's MLP forward to tile: else the error, before any
     change."""
     child = hf.mlp_child(spec)
+    if layer_policy.layer_tiles > 1 and spec.mixer is not None:
+        mixer = next(c for c, role in spec.children if role == "mixer")
+        held = [type(layer).__name__ for layer in layers if mixer in layer._modules]
+        if held:
+            raise ConversionError(f"{held[0]}.{mixer} ({spec.mixer.cls}) is a recurrent token mixer kept as "
+                                  f"transformers' own: recompute={str(layer_policy)!r} cannot run its layers in "
+                                  f"{layer_policy.layer_tiles} query tiles (each tile would start its recurrence "
+                                  "anew); use layer_tiles=1 for this model")
     if layer_policy.layer_tiles > 1:
         for layer in layers:
             mlp = getattr(layer, child, None)

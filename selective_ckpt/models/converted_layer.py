@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from ..keeping import layer_tiles, pipeline
 from ..keeping.attention_kept import attention_kept_checkpoint
 from ..keeping.policy import CHECKPOINTED, NAMED, resolve
+from ..memory.estimate import KEPT_MIXER
 from ..registry import STATE
 from . import attention
 from .errors import ConversionError
@@ -142,6 +143,11 @@ class ConvertedLayerState:
         experts (transformers collects its router logits once per call of the router, which tiles would split)."""
         if tiles == 1:
             return
+        mixer = next((m for m in self.layer.children() if getattr(m, KEPT_MIXER, None)), None)
+        if mixer is not None:  # a hybrid's recurrent mixer (models/hybrid.py): a tile would start it anew
+            raise ValueError(f"{self.name}: the policy's layer_tiles={tiles} cannot apply: its token mixer "
+                             f"{type(mixer).__name__} is recurrent and kept as transformers' own; give this layer "
+                             "layer_tiles=1")
         name = getattr(self, "mlp_child", None)
         mlp = getattr(self.layer, name, None) if name else None
         if mlp is not None and hasattr(mlp, "experts"):
