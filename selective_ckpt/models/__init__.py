@@ -14,6 +14,7 @@ import pkgutil
 
 from torch import nn
 
+from .. import compat
 from ..keeping.policy import resolve
 from ..layers import SelectiveDecoderLayer, set_recompute
 from ..registry import recomputable_layers, state_of
@@ -71,6 +72,9 @@ def convert(model, recompute="selective", plan=None):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     root = hf.hf_root(model)
     if root is not None:
+        unsupported = compat.unsupported_transformers()  # before anything is read or changed
+        if unsupported is not None:
+            raise ConversionError(f"{type(root).__name__}: {unsupported}")
         model_type = getattr(root.config, "model_type", None)
         spec = model_specs().get(model_type)
         if spec is None:
