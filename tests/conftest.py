@@ -75,7 +75,9 @@ SLOW = (
     "keeping/test_tiling.py::test_tiles_lower_the_peak_by_their_share_of_the_intermediate",
     # models
     "models/test_example_finetune.py::*",
-    # hybrids (tests/models/families/hybrid.py): each layer kind's bytes, printed (the shared estimate check is fast)
+    # hybrids (tests/models/families/hybrid.py): Qwen3.5 and Qwen3.5-MoE share Qwen3-Next's layer code
+    # (models/hybrid.py), whose family checks run in the fast tier; theirs, and each layer kind's printed bytes, here
+    "models/test_hf_families.py::*[[]qwen3_5*",
     "models/test_hf_hybrid.py::test_kept_bytes_per_layer_kind",
     "models/test_hf_activations.py::test_forward_hook_on_the_activation_is_called",
     "models/test_hf_gemma.py::test_final_logit_soft_capping_through_the_loss_head",

@@ -29,4 +29,7 @@ FAMILIES = [
     Family("qwen3_next", transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, QWEN3_NEXT, packed=False,
            lora_targets=("q_proj", "v_proj", "o_proj", "out_proj", "shared_expert_gate"), layer_kinds=_KINDS,
            dropout=dict(attention_dropout=0.17)),
+    # a dense gated MLP in every layer
+    Family("qwen3_5_text", transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, _HYBRID, packed=False,
+           lora_targets=("q_proj", "v_proj", "out_proj", "down_proj"), layer_kinds=_KINDS),
 ]
