@@ -3,9 +3,11 @@
 // or two passes, dQ per query tile and dK/dV per key tile (7 tile products, more tasks). A part of
 // attention_kernels.h, compiled inside the ISA's namespace: no #include here.
 
-// delta[b, h, i] = sum_d dO * O in Acc (O as stored, so it includes the dropout).
+// delta[b, h, i] = sum_d dO * O in Acc (O as stored, so it includes the dropout). With sinks also
+// sink[bh] = -sum_i exp(s_h - lse_i) delta_i, the sink's gradient from this (batch, head): the sink's
+// probability times d lse / d s_h = 1 moves O by -P_sink O. Empty rows (lse = +inf) add 0.
 template <class T>
-void delta_rows(const Problem& p, int64_t bh, float* delta) {
+void delta_rows(const Problem& p, int64_t bh, float* delta, double* sink) {
   using Acc = typename Elem<T>::Acc;
   const int64_t b = bh / p.H, h = bh % p.H;
   const T* ob = static_cast<const T*>(p.o_in) + b * p.os[0] + h * p.os[1];
@@ -16,6 +18,14 @@ void delta_rows(const Problem& p, int64_t bh, float* delta) {
     for (int64_t d = 0; d < p.D; ++d) s = madd(Acc(Elem<T>::load(orow + d)), Acc(Elem<T>::load(drow + d)), s);
     delta[bh * p.Sq + i] = float(s);
   }
+  if (p.sinks == nullptr) return;
+  const double sh = p.sinks[h];
+  double g = 0;
+  for (int64_t i = 0; i < p.Sq; ++i) {
+    const double lse = p.lse_in[bh * p.Sq + i];
+    if (lse != std::numeric_limits<double>::infinity()) g -= std::exp(sh - lse) * double(delta[bh * p.Sq + i]);
+  }
+  sink[bh] = g;
 }
 
 // dS^T = P^T * (dP^T * keep - delta) over key row r of a dQ tile (N query columns), P^T from the
