@@ -229,7 +229,7 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
   p.lse_in = as_ptr<const float>(lse);
   std::vector<float> delta(size_t(p.B * p.H * p.Sq));
   p.delta = delta.data();
-  std::vector<double> sink(p.sinks != nullptr ? size_t(p.B * p.H) : 0);
+  std::vector<double> sink(p.sinks != nullptr ? size_t(p.B * p.H) : 0), sink_part;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using Acc = typename Elem<T>::Acc;
@@ -246,6 +246,10 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
     p.chunks = std::min(nkt, ceil_div(kSinglePassTasks, groups));
     p.single_pass = passes == 1 || (passes == 0 && groups * p.chunks >= kSinglePassTasks);
     std::vector<Acc> part;
+    if (p.sinks != nullptr) {  // every dQ tile writes its slot (chunks of the single pass, else chunk 0)
+      sink_part.assign(size_t(p.chunks * p.B * p.H * nqt), 0.0);
+      p.sink_part = sink_part.data();
+    }
     if (p.single_pass && p.chunks > 1) {
       part.assign(size_t(p.chunks * p.B * p.H * p.Sq * p.Dp), Acc(0));
       p.dq_part = part.data();
@@ -270,7 +274,7 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < qtasks; ++task) {
           const int64_t t = nqt - 1 - task / (p.B * p.H), bh = task % (p.B * p.H);
-          dq_fn(p, bh / p.H, bh % p.H, t, w, nullptr, nullptr, 0, p.Sk, nullptr);
+          dq_fn(p, bh / p.H, bh % p.H, t, w, nullptr, nullptr, 0, p.Sk, nullptr, 0);
         }
         // Under a causal mask the first key tiles are attended by the most queries: first out.
 #pragma omp for schedule(dynamic, 1)
@@ -281,9 +285,17 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
       }
     }
   });
-  for (int64_t h = 0; h < (p.sinks != nullptr ? p.H : 0); ++h) {  // the batch's shares, in order
+  // the sinks' gradient: the delta pass's and the dQ tiles' shares, summed in a fixed order
+  const int64_t nqt = ceil_div(p.Sq, p.BM), slots = int64_t(sink_part.size()) / std::max<int64_t>(p.B * p.H, 1);
+  for (int64_t h = 0; h < (p.sinks != nullptr ? p.H : 0); ++h) {
     double g = 0;
-    for (int64_t b = 0; b < p.B; ++b) g += sink[size_t(b * p.H + h)];
+    for (int64_t b = 0; b < p.B; ++b) {
+      g += sink[size_t(b * p.H + h)];
+      for (int64_t s = 0; s < slots; ++s) {  // slot s = (chunk, query tile) of this (b, h)
+        const int64_t chunk = s / nqt, t = s % nqt;
+        g += sink_part[size_t((chunk * p.B * p.H + b * p.H + h) * nqt + t)];
+      }
+    }
     p.dsinks[h] = float(g);
   }
 }
