@@ -111,8 +111,10 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, SINKS, sqb, sqh, sqm, skb, skh
 def _delta_kernel(OUT, DO, DELTA, LSE, SINKS, DSINK, sob, soh, som, sdb, sdh, sdm, H, Sq, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr = False):
     """delta[b, h, i] = sum_d dO * O in fp32 (equal to sum_j P_ij dP_ij, dropout included). With sinks
-    also DSINK[program] = -sum over its rows of exp(s_h - lse_i) delta_i, the sink's gradient share
-    (O moves by -P_sink O per unit of s_h); empty rows (lse = +inf) add 0."""
+    also DSINK[program] = -sum over its rows of P_sink (1 - P_sink) delta, P_sink = exp(s_h - lse): the
+    delta part of the sinks' gradient -sum_i P_sink_i D_i, D_i taken as rowsum_j dS_ij + delta_i (1 - P_sink_i)
+    (the dQ kernel adds the dS part), since delta from O rounded to the input dtype is D only to that
+    rounding. Empty rows (lse = +inf) add 0."""
     n_m = tl.cdiv(Sq, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // n_m
@@ -127,4 +129,4 @@ def _delta_kernel(OUT, DO, DELTA, LSE, SINKS, DSINK, sob, soh, som, sdb, sdh, sd
     if HAS_SINKS:
         lse = tl.load(LSE + bh.to(tl.int64) * Sq + rows, mask=rows < Sq, other=float("inf"))
         p_sink = tl.exp(tl.load(SINKS + h).to(tl.float32) - lse)
-        tl.store(DSINK + pid, -tl.sum(tl.where(rows < Sq, p_sink * delta, 0.0), 0))
+        tl.store(DSINK + pid, -tl.sum(tl.where(rows < Sq, p_sink * (1.0 - p_sink) * delta, 0.0), 0))
