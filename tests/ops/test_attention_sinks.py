@@ -21,7 +21,7 @@ from tests.reference import assert_within_rule, attention_allowed, max_err
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors runs interpreted only")
 
-RATIOS = {}  # (case, dtype, what) -> our error / eager's error, for the record of the largest
+RATIOS = {}  # (case, dtype, what) -> (our error, eager's error) against float64, for the record
 
 
 def eager_sinks(q, k, v, sinks, q_offset=0, causal=False, window=0, pad=None, cu=None, cap=0.0, p=0.0, seed=0):
@@ -96,7 +96,7 @@ def check(name, dtype, case=None, sink_dtype=None, seed=77):
     assert ours[4].dtype == sinks.dtype  # the gradient lands in the sinks' own dtype
     for what, x, e, r, factor in zip(("o", "dq", "dk", "dv", "dsinks"), ours, eager, ref, (2, 3, 3, 3, 3)):
         assert_within_rule(x, e.to(x.dtype), r, factor, name=f"{name} {dtype} {what}")
-        RATIOS[(name, str(dtype), what)] = max_err(x, r) / max(max_err(e.to(x.dtype), r), 1e-30)
+        RATIOS[(name, str(dtype), what)] = (max_err(x, r), max_err(e.to(x.dtype), r))
     if dtype == torch.float32:
         for what, x, r in zip(("o", "dq", "dk", "dv", "dsinks"), ours, ref):
             assert (x.double() - r).abs().max() < 2e-5 * max(1.0, r.abs().max().item()), what
