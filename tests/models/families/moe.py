@@ -53,7 +53,7 @@ FAMILIES = [
     Family("gpt_oss", transformers.GptOssConfig, transformers.GptOssForCausalLM, GPT_OSS,
            packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
            heads=(transformers.GptOssForSequenceClassification, transformers.GptOssForTokenClassification),
-           variants=(("clamped", dict(swiglu_limit=0.05)),),
+           variants=(("clamped", dict(swiglu_limit=0.05)),), dropout=dict(attention_dropout=0.1),
            skip={"fit": "the fit's simulated step runs transformers' eager experts of the concatenated, untransposed "
                         "layout; gpt-oss's are interleaved, transposed and biased",
                  "packed": "transformers' own gpt-oss does not keep documents packed by position_ids apart (its "
