@@ -313,3 +313,15 @@ def test_backends_agree_with_sinks(use_backend):
                                                              (10, 30, 10), 0.0, 0.3))[0]
     for x, y in zip(results["cpp"], results["triton"]):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_triton_sinks_with_the_sm90_tiles(use_backend, monkeypatch):
+    """The tiles a GPU launch takes (forward and dQ 128 x 64: the dQ kernel's dS row sums over several key
+    blocks, ragged last blocks), interpreted."""
+    from selective_ckpt.triton_kernels import attention as tk
+
+    monkeypatch.setattr(tk, "INTERPRETED", False)  # config() then answers from the sm_90 table
+    assert tk.config("dq", 64, torch.bfloat16)[:2] == (128, 64)
+    use_backend("triton")
+    check("sm90-d64", torch.bfloat16, case=(1, 4, 2, 150, 150, 64, 0, True, 100, False, None, 0.0, 0.1))
