@@ -7,11 +7,13 @@
 #                                # 80 GB card against transformers' checkpointing at 16K-64K, predicted vs measured
 #   bash bench/gpu.sh --earlier  # the earlier steps instead: CUDA tests (parallel), Llama-3.1-8B's whole step
 #                                # against the fit model, the main job at the 7B shape, per-kernel attention
-#                                # sweep vs SDPA (FLASH and cuDNN pinned), 7B layer with dropout
+#                                # sweep vs SDPA (FLASH and cuDNN pinned), 7B layer with dropout, and the attention
+#                                # op under each kernel it dispatches to, per kind of call (rows name the kernel)
 #   bash bench/gpu.sh --dry-run  # CPU: print every command, check that the entry points parse; runs nothing heavy
 #
 # Writes under $OUT when set (else bench/out/): summary.txt, steps.log (install + tests),
-# attention_gpu.log, attention/{attention_gpu.csv, layer_7b.csv}, fit_check.{log,json}, main.log and
+# attention_gpu.log, attention_dispatch.log, attention/{attention_gpu.csv, attention_dispatch.csv, layer_7b.csv},
+# fit_check.{log,json}, main.log and
 # main/{results.csv, PNGs}, offload.{log,json}, long_context.{log,json}, plan.{log,json}. A selective_ckpt/_C built for the
 # machine's Python beforehand is used as it is.
 # The short table is printed last.
@@ -96,7 +98,13 @@ install_package() {
 }
 
 attention_sweep() {
-  "$PY" -m selective_ckpt.bench.attention_gpu --out "$DEST/attention"
+  "$PY" -m selective_ckpt.bench.attention_gpu --out "$DEST/attention" --no-dispatch
+}
+
+# selective_ckpt.attention as callers run it, forced onto each kernel it can dispatch to (ours, FlashAttention, the
+# memory-efficient kernel, auto) per kind of call; every row names the kernel that ran.
+attention_dispatch_sweep() {
+  "$PY" -m selective_ckpt.bench.attention_gpu --out "$DEST/attention" --dispatch-only --quick
 }
 
 # The sweep's closing table: from its header line to the end of the log.
@@ -111,6 +119,13 @@ short_table() {
     echo "(no sweep figures)"
   fi
   echo
+  if grep -q '^== attention dispatch' "$DEST/attention_dispatch.log" 2>/dev/null; then
+    sed -n '/^== attention dispatch/,$p' "$DEST/attention_dispatch.log"
+  else
+    echo "== attention dispatch: (no table; rows so far)"
+    grep -E '^dispatch ' "$DEST/attention_dispatch.log" 2>/dev/null || echo "(no dispatch figures)"
+  fi
+  echo
   echo "== Llama-3.1-8B step against the fit model (LoRA r=16, bf16 autocast, 8192 tokens)"
   grep -E '^\|' "$DEST/fit_check.log" 2>/dev/null || echo "(no fit-check figures)"
   echo
@@ -119,7 +134,7 @@ short_table() {
 }
 
 export PY DEST
-export -f environment install_package attention_sweep
+export -f environment install_package attention_sweep attention_dispatch_sweep
 
 if [ "$DRY" = 1 ]; then
   echo "[dry-run] python: $PY; output folder: $DEST"
@@ -131,6 +146,8 @@ if [ "$DRY" = 1 ]; then
   "$PY" -m selective_ckpt.bench.offload --help > /dev/null || { echo "[dry-run] selective_ckpt.bench.offload --help failed" >&2; FAILED=1; }
   "$PY" -m selective_ckpt.bench.attention_gpu --dry-run --out "$DEST/attention" \
     || { echo "[dry-run] selective_ckpt.bench.attention_gpu failed" >&2; FAILED=1; }
+  "$PY" -m selective_ckpt.bench.attention_gpu --dry-run --out "$DEST/attention" --dispatch-only --quick \
+    || { echo "[dry-run] selective_ckpt.bench.attention_gpu --dispatch-only failed" >&2; FAILED=1; }
   "$PY" -m pytest -m cuda -q -p no:cacheprovider --collect-only tests/ > /dev/null \
     || { echo "[dry-run] collecting the CUDA tests failed" >&2; FAILED=1; }
   got=$(printf '%s\n' 'S= 1024 D= 64 ... fwd 0.1 ms' '== attention bf16, forward TFLOP/s' '1024 64 True 300.0' | last_table)
@@ -171,8 +188,9 @@ if [ "$EARLIER" = 0 ]; then
   exit "$FAILED"
 fi
 
-# Limits sum to 590 s (an H200, 2026-12-04: tests 126 s, fit check 38, main job 21, sweep 59); the sweep comes
-# last, and its log keeps every point it printed if it is cut short.
+# Limits sum to 590 s (an H200, 2026-12-04: tests 126 s, fit check 38, main job 21, sweep 59); the sweeps come
+# last, and their logs keep every point printed if one is cut short. The dispatch rows (9 points x 4 settings) are
+# not measured yet: their limit is what the kernel sweep's 150 s gave up.
 # pytest-xdist when present: the CUDA tests in parallel workers on the one GPU
 PAR=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 4")
 # shellcheck disable=SC2086
@@ -183,7 +201,8 @@ step fit-check 100 "$DEST/fit_check.log" "$PY" -m selective_ckpt.bench.fit_check
 # the torch.compile rows (a subprocess and a compile each) do not fit the budget: 90 s ran out before them
 step main-job 80 "$DEST/main.log" "$PY" -m selective_ckpt.bench --device cuda --no-progress --seq 2048,4096 \
   --rows sdpa,sdpa-ckpt,none,selective,full,llama-sdpa,llama-selective --out "$DEST/main"
-step attention 150 "$DEST/attention_gpu.log" attention_sweep
+step attention 100 "$DEST/attention_gpu.log" attention_sweep
+step attention-dispatch 50 "$DEST/attention_dispatch.log" attention_dispatch_sweep
 
 if [ "$DRY" = 1 ]; then
   echo "[dry-run] then prints the step summary, the sweep table and the main job's summary lines"

@@ -23,6 +23,7 @@ configuration (models.configuration.layer_estimate: its shape, dtypes and LoRA r
 import argparse
 import codecs
 import contextlib
+import importlib.util
 import io
 import sys
 import tempfile
@@ -30,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent  # the text to train on; the package comes from the install
 
 import selective_ckpt  # noqa: E402
 from selective_ckpt import memory  # noqa: E402
@@ -181,6 +181,10 @@ def main(argv=None):
     ap.add_argument("--qlora", action="store_true", help="4-bit NF4 base after prepare_model_for_kbit_training")
     ap.add_argument("--fp32", dest="bf16", action="store_false", help="no autocast (Trainer's bf16=False)")
     args = ap.parse_args(argv)
+    for package in ("transformers", "peft") + (("bitsandbytes",) if args.qlora else ()):
+        if importlib.util.find_spec(package) is None:
+            ap.exit(1, f"{ap.prog}: error: this example needs {package}, which is not installed: "
+                       f"pip install \"selective_ckpt[hf]\"\n")
     if args.layers < 2:
         ap.error("--layers must be at least 2 (bytes per layer are all layers minus one)")
 

@@ -5,6 +5,7 @@ masks, GELU and LayerNorm outputs are recomputed inside the backward kernels.
 """
 
 from . import keeping, memory, rng
+from .backend import set_attention_backend
 from .fit import plan
 from .layers import SelectiveDecoderLayer, set_policy, set_recompute
 from .models import ConversionError, convert
@@ -19,5 +20,5 @@ from .registry import recomputable_layers
 
 __all__ = ["ConversionError", "SelectiveDecoderLayer", "attention", "convert", "dropout", "gelu_mlp", "keeping",
            "layer_norm", "linear_cross_entropy", "memory", "plan", "recomputable_layers", "rms_norm", "rng",
-           "set_policy", "set_recompute", "swiglu_mlp"]
+           "set_attention_backend", "set_policy", "set_recompute", "swiglu_mlp"]
 __version__ = "0.1.0"

@@ -8,6 +8,10 @@ Op code (selective_ckpt/ops/) calls `call(op_family, fn, *args)` and never branc
   replaced by its data pointer and None by 0, unless the op family registers an adapter below
   (`_CPP_ADAPTERS`) for calls that need shapes, strides or a different split of the work.
 
+Attention has one more choice, per call: PyTorch's fused kernels run the calls they express exactly
+(ops/attention_dispatch.py); SELECTIVE_CKPT_ATTENTION (or `set_attention_backend`) says which may:
+"auto" (the fastest measured), "ours", "sdpa" (PyTorch's wherever it expresses the call), or one PyTorch kernel.
+
 An op family is csrc/<op_family>.cpp, triton_kernels/<op_family>.py, selective_ckpt/ops/<op_family>.py
 and tests/ops/test_<op_family>.py; its name is the first argument of `call`.
 """
@@ -40,6 +44,38 @@ def _backend_choice():
         raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(_CHOICES)}, got {choice!r}")
     _choice[:] = value, choice
     return choice
+
+
+ATTENTION_ENV = "SELECTIVE_CKPT_ATTENTION"
+ATTENTION_CHOICES = ("auto", "ours", "sdpa", "sdpa_cpu_flash", "sdpa_flash", "sdpa_efficient")
+_attention = [None, None]  # as _choice, for ATTENTION_ENV
+
+
+def _parse_attention(value, name):
+    choice = (value or "auto").strip().lower() or "auto"
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"{name} must be one of {', '.join(ATTENTION_CHOICES)}, got {value!r}")
+    return choice
+
+
+def attention_setting() -> str:
+    """Which attention kernels calls may run (ATTENTION_CHOICES): read once, parsed again on change."""
+    value = os.environ.get(ATTENTION_ENV)
+    if value == _attention[0] and _attention[1] is not None:
+        return _attention[1]
+    choice = _parse_attention(value, ATTENTION_ENV)
+    _attention[:] = value, choice
+    return choice
+
+
+def set_attention_backend(name: str = "auto") -> None:
+    """Sets SELECTIVE_CKPT_ATTENTION for this process: "auto" (per call, the fastest measured on the device),
+    "ours" (always our kernels), "sdpa" (PyTorch's fused attention wherever it expresses the call exactly, ours
+    for the rest: dropout, soft-capping, masks it cannot express), or one PyTorch kernel ("sdpa_cpu_flash",
+    "sdpa_flash", "sdpa_efficient") where it expresses the call. Calls made after it follow it."""
+    if not isinstance(name, str):
+        raise TypeError(f"set_attention_backend's name must be a str, got {type(name).__name__}")
+    os.environ[ATTENTION_ENV] = _parse_attention(name, "set_attention_backend's name")
 
 
 def backend_for(t: torch.Tensor) -> str:

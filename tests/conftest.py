@@ -75,6 +75,8 @@ SLOW = (
     "keeping/test_tiling.py::test_tiles_lower_the_peak_by_their_share_of_the_intermediate",
     # models
     "models/test_example_finetune.py::*",
+    # hybrids (tests/models/families/hybrid.py): each layer kind's bytes, printed (the shared estimate check is fast)
+    "models/test_hf_hybrid.py::test_kept_bytes_per_layer_kind",
     "models/test_hf_activations.py::test_forward_hook_on_the_activation_is_called",
     "models/test_hf_gemma.py::test_final_logit_soft_capping_through_the_loss_head",
     "models/test_hf_llama.py::test_layer_keeps_the_floor",

@@ -14,6 +14,11 @@ interleaved round by round in one process (B=2 H=8, causal; `--seqs`, `--dims`, 
 `--full` (also unmasked) choose the grid, default S 1024-4096, D 64, fp32/bf16/fp16), medians with
 p20/p80, then 16 packed documents of 256 (cu_seqlens) against one document of 4096 through our kernel.
 `--tiles 128x64,64x64` also sweeps the C++ kernel's query x key tile sizes.
+
+`--backends` times the kernels selective_ckpt.attention can dispatch to on this device, each forced through the op
+(set_attention_backend): ours against PyTorch's (on CPU its flash kernel), fwd+bwd interleaved round by round on the
+same grid (`--seqs`, `--dims`, `--dtypes`, `--full`; `--gqa 4` gives k, v a quarter of the heads), and names the
+kernel "auto" runs for each row: the measurement the CPU default follows (ops/attention_dispatch.py, CPU_AUTO).
 """
 
 import argparse
@@ -27,6 +32,7 @@ import selective_ckpt
 from selective_ckpt import backend, memory
 from selective_ckpt.bench.output import cpu_name
 from selective_ckpt.bench.runner import sync
+from selective_ckpt.ops import attention_dispatch
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -250,6 +256,54 @@ def run_table(args):
           f"{peaks['packed'] / mib:.2f}, one document {peaks['one'] / mib:.2f}")
 
 
+def run_backends(args):
+    """ours against PyTorch's kernel through the op, per grid row; the kernel "auto" picks named."""
+    B, H = 2, 8
+    Hkv = H // args.gqa
+    seqs, dims, dtypes = _ints(args.seqs), _ints(args.dims), [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    masks = [True] + ([False] if args.full else [])
+    setting = backend.attention_setting()
+    print(f"CPU: {cpu_name()}")
+    print(f"selective_ckpt.attention's kernels on CPU, forced: B={B} H={H} Hkv={Hkv}, {args.rounds} interleaved "
+          f"rounds (torch threads {torch.get_num_threads()}); fwd+bwd ms median [p20, p80], ratio = PyTorch's / ours "
+          f"per round (> 1: ours faster); auto = the kernel the default setting runs")
+    print(f"{'S':>6} {'D':>4} {'mask':>6} {'dtype':>5} {'ours ms':>26} {'sdpa_cpu_flash ms':>26} "
+          f"{'ratio':>22} {'auto':>15}")
+
+    def forced(name, causal):
+        def fn(q, k, v):
+            selective_ckpt.set_attention_backend(name)
+            return selective_ckpt.attention(q, k, v, causal=causal)
+        return fn
+
+    try:
+        for causal in masks:
+            for D in dims:
+                for dt in dtypes:
+                    for S in seqs:
+                        qkv = torch.randn(B, S, H + 2 * Hkv, D, dtype=DTYPES[dt], requires_grad=True)
+                        grad = torch.randn(B, H, S, D, dtype=DTYPES[dt])
+                        split = lambda t: [t[:, :, a:b].permute(0, 2, 1, 3)  # noqa: E731
+                                           for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv))]
+                        fns = {"ours": forced("ours", causal), "sdpa": forced("sdpa", causal)}
+                        times = {n: [] for n in fns}
+                        for r in range(1 + args.rounds):
+                            for n in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+                                qkv.grad = None
+                                t0 = time.perf_counter()
+                                fns[n](*split(qkv)).backward(grad)
+                                if r:
+                                    times[n].append(time.perf_counter() - t0)
+                        ratio = quantiles([a / b for a, b in zip(times["sdpa"], times["ours"])])
+                        selective_ckpt.set_attention_backend("auto")
+                        auto = attention_dispatch.choose_for(*split(qkv)[:2], None, None, causal, 0, 0.0, 0.0, 0)
+                        print(f"{S:>6} {D:>4} {'causal' if causal else 'none':>6} {dt:>5} "
+                              f"{fmt(quantiles(times['ours'])):>26} {fmt(quantiles(times['sdpa'])):>26} "
+                              f"{ratio[1]:>8.3f} [{ratio[0]:.3f}, {ratio[2]:.3f}] {auto:>15}", flush=True)
+    finally:
+        selective_ckpt.set_attention_backend(setting)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -271,11 +325,16 @@ def main(argv=None):
     ap.add_argument("--dims", default="64", help="--table: head dims, e.g. 64,128")
     ap.add_argument("--dtypes", default="fp32,bf16,fp16", help="--table: dtypes")
     ap.add_argument("--full", action="store_true", help="--table: also without a causal mask")
+    ap.add_argument("--backends", action="store_true",
+                    help="the op's kernels forced one by one, ours against PyTorch's (see above)")
+    ap.add_argument("--gqa", type=int, default=1, help="--backends: H / Hkv")
     ap.add_argument("--no-packed", dest="packed", action="store_false",
                     help="--table: skip the packed-documents comparison")
     args = ap.parse_args(argv)
     if args.table:
         return run_table(args)
+    if args.backends:
+        return run_backends(args)
     device = torch.device(args.device)
     names = [n.strip() for n in args.impls.split(",") if n.strip()]
     for n in names:

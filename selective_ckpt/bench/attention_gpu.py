@@ -1,16 +1,20 @@
 """GPU attention sweep: each Triton kernel timed on its own (forward, delta pre-pass, dK/dV, dQ) with
 triton.testing.do_bench, against SDPA with the FLASH and the cuDNN backends pinned
 (torch.nn.attention.sdpa_kernel), next to the chip's bf16 matmul rate measured in the same run;
-then a 7B-shaped SelectiveDecoderLayer training step (h=4096, 32 heads, bf16) with dropout on.
+then selective_ckpt.attention as callers run it, fwd and fwd+bwd, under each kernel it can dispatch to (the
+setting forced per row: ours, PyTorch's FlashAttention, its memory-efficient kernel, and "auto"), per kind of call
+(causal, none, padding, packed documents, sliding window, GQA, fp32), each row naming the kernel that ran; then a
+7B-shaped SelectiveDecoderLayer training step (h=4096, 32 heads, bf16) with dropout on.
 
 Shapes: bf16, B*S = 16384 tokens and H*D = 2048 at every point; S 1024..8192, D 64 and 128,
 causal and not, dropout 0 and 0.1. FLOPs: forward 4*B*H*S*S*D (halved when causal); dK/dV does
 two forward's worth (four matmuls), dQ one and a half (three); SDPA's backward 2.5 forwards.
 
-    python -m selective_ckpt.bench.attention_gpu --out DIR [--quick] [--dry-run]
+    python -m selective_ckpt.bench.attention_gpu --out DIR [--quick] [--dry-run] [--no-dispatch | --dispatch-only]
 
-Writes DIR/attention_gpu.csv (one row per point and implementation) and DIR/layer_7b.csv; prints
-a short table last. --dry-run checks arguments and prints the plan without touching a GPU.
+Writes DIR/attention_gpu.csv (one row per point and implementation), DIR/attention_dispatch.csv (one row per
+point, kind and setting, with the kernel that ran) and DIR/layer_7b.csv; prints the short tables last.
+--dry-run checks arguments and prints the plan without touching a GPU.
 """
 
 import argparse
@@ -91,7 +95,103 @@ def sdpa(S, D, causal, p, backend, do_bench):
 
 
 # Forward-equivalents of matmul work per kernel (see the module doc).
-WORK = {"fwd": 1.0, "delta": 0.0, "dkdv": 2.0, "dq": 1.5, "bwd": 2.5}
+WORK = {"fwd": 1.0, "delta": 0.0, "dkdv": 2.0, "dq": 1.5, "bwd": 2.5, "fwd+bwd": 3.5}
+
+# The op's kinds of call: (dtype, H / Hkv, keyword arguments from S); each at B*S = 16384 tokens, H*D = 2048.
+KINDS = {
+    "causal": (torch.bfloat16, 1, lambda S: dict(causal=True)),
+    "none": (torch.bfloat16, 1, lambda S: dict(causal=False)),
+    "padding": (torch.bfloat16, 1, lambda S: dict(causal=True, padding=True)),
+    "documents": (torch.bfloat16, 1, lambda S: dict(causal=True, documents=S)),
+    "window": (torch.bfloat16, 1, lambda S: dict(causal=True, sliding_window=S // 4)),
+    "gqa": (torch.bfloat16, 4, lambda S: dict(causal=True)),
+    "fp32": (torch.float32, 1, lambda S: dict(causal=True)),
+}
+SETTINGS = ("ours", "sdpa_flash", "sdpa_efficient", "auto")
+DISPATCH_FIELDS = ["seq", "dim", "kind", "setting", "kernel_ran", "step", "ms", "tflops"]
+
+
+def dispatch_plan(quick):
+    for S in ((4096,) if quick else (1024, 4096)):
+        for D in (64, 128):
+            for kind in KINDS:
+                if D == 64 and kind not in ("causal", "none"):
+                    continue
+                yield S, D, kind
+
+
+def dispatched(S, D, kind, setting, do_bench):
+    """The kernel the op ran under `setting` and {step: ms} for its forward and forward+backward."""
+    import selective_ckpt
+    from selective_ckpt.ops import attention_dispatch
+
+    dtype, group, make = KINDS[kind]
+    kw = make(S)
+    docs, padding = kw.pop("documents", None), kw.pop("padding", False)
+    B, H = (1, 2048 // D) if docs else (16384 // S, 2048 // D)
+    T = 16384 if docs else S  # documents: 16384 / S documents of S tokens packed in one row
+    Hkv = H // group
+    qkv = torch.randn(B, T, H + 2 * Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
+    q, k, v = (qkv[:, :, a:b].permute(0, 2, 1, 3) for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv)))
+    if docs:
+        kw["cu_seqlens"] = torch.arange(0, T + 1, docs, dtype=torch.int32, device="cuda")
+    if padding:  # the last quarter of every row's keys padded
+        kw["key_padding_mask"] = (torch.arange(T, device="cuda") < T - T // 4).expand(B, T).contiguous()
+    do = torch.randn(B, H, T, D, device="cuda", dtype=dtype)
+    selective_ckpt.set_attention_backend(setting)
+    ran = attention_dispatch.choose_for(q, k, kw.get("key_padding_mask"), kw.get("cu_seqlens"), kw["causal"],
+                                        kw.get("sliding_window", 0), 0.0, 0.0, 0)
+    fwd = do_bench(lambda: selective_ckpt.attention(q, k, v, **kw))
+    both = do_bench(lambda: torch.autograd.grad(selective_ckpt.attention(q, k, v, **kw), qkv, do))
+    return ran, {"fwd": fwd, "fwd+bwd": both}
+
+
+def dispatch_sweep(quick, do_bench, out):
+    """Every kind of call under every setting; rows to attention_dispatch.csv."""
+    import selective_ckpt
+    from selective_ckpt import backend
+
+    rows = []
+    before = backend.attention_setting()
+    try:
+        for S, D, kind in dispatch_plan(quick):
+            dense = 4 * 16384 * S * 2048 * (0.5 if KINDS[kind][2](S).get("causal") else 1.0)
+            for setting in SETTINGS:
+                try:
+                    ran, times = dispatched(S, D, kind, setting, do_bench)
+                except Exception as e:  # a kernel that fails here is a finding: the row says so
+                    print(f"dispatch S={S} D={D} {kind} {setting}: failed ({type(e).__name__}: {str(e)[:160]})",
+                          flush=True)
+                    rows.append(dict(seq=S, dim=D, kind=kind, setting=setting, kernel_ran="failed", step="-",
+                                     ms="", tflops=""))
+                    continue
+                for step, ms in times.items():
+                    tf = WORK[step] * dense / ms / 1e9  # nominal: dense-causal FLOPs, whatever the mask skips
+                    rows.append(dict(seq=S, dim=D, kind=kind, setting=setting, kernel_ran=ran, step=step,
+                                     ms=round(ms, 4), tflops=round(tf, 1)))
+                    print(f"dispatch S={S:5d} D={D:3d} {kind:9s} {setting:14s} ran {ran:14s} {step:7s} {ms:8.3f} ms "
+                          f"{tf:6.1f} TFLOP/s", flush=True)
+                torch.cuda.empty_cache()
+    finally:
+        selective_ckpt.set_attention_backend(before)
+    with open(out / "attention_dispatch.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, DISPATCH_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    return rows
+
+
+def dispatch_table(rows):
+    """fwd+bwd ms per kind under each setting, the kernel that ran in brackets; best = the fastest setting."""
+    print("\n== attention dispatch, fwd+bwd ms [kernel that ran]; auto should be the fastest of the row")
+    print(f"{'seq':>5} {'D':>4} {'kind':>9} " + " ".join(f"{s:>26}" for s in SETTINGS))
+    get = {(r["seq"], r["dim"], r["kind"], r["setting"]): r for r in rows if r["step"] in ("fwd+bwd", "-")}
+    for S, D, kind in dict.fromkeys((r["seq"], r["dim"], r["kind"]) for r in rows):
+        cells = []
+        for s in SETTINGS:
+            r = get.get((S, D, kind, s))
+            cells.append("-" if r is None else f"{r['ms'] or 'n/a'} [{r['kernel_ran']}]")
+        print(f"{S:5d} {D:4d} {kind:>9} " + " ".join(f"{c:>26}" for c in cells))
 
 
 def layer_7b(seq, dropout, repeats=10):
@@ -120,10 +220,17 @@ def main(argv=None):
                                                 "./bench-runs/<UTC time>-attention-gpu)")
     ap.add_argument("--quick", action="store_true", help="S 1024 and 4096 only")
     ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU needed")
+    ap.add_argument("--no-dispatch", dest="dispatch", action="store_false",
+                    help="skip the op's dispatch rows (every kernel it can run, per kind of call)")
+    ap.add_argument("--dispatch-only", action="store_true", help="the op's dispatch rows alone")
     args = ap.parse_args(argv)
     points = list(plan(args.quick))
     if args.dry_run:
-        print(f"[dry-run] {len(points)} points x (4 Triton kernels + SDPA flash/cudnn fwd, bwd); 7B layer "
+        extra = len(list(dispatch_plan(args.quick))) if args.dispatch else 0
+        if args.dispatch_only:
+            points = []
+        print(f"[dry-run] {len(points)} points x (4 Triton kernels + SDPA flash/cudnn fwd, bwd); {extra} dispatch "
+              f"points x {len(SETTINGS)} settings ({', '.join(SETTINGS)}), kinds {', '.join(KINDS)}; 7B layer "
               f"seq 2048/4096 dropout 0/0.1; CSVs under {args.out or './bench-runs/<UTC time>-attention-gpu'}")
         return 0
     import triton
@@ -134,6 +241,11 @@ def main(argv=None):
 
     out = run_dir(args.out, "attention-gpu")
     print(f"writing to {out.resolve()}", flush=True)
+    if args.dispatch_only:
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+        drows = dispatch_sweep(args.quick, bench, out)
+        dispatch_table(drows)
+        return 1 if any(r["kernel_ran"] == "failed" for r in drows) else 0
     peak = matmul_tflops(do_bench)
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s on {torch.cuda.get_device_name()} (triton {triton.__version__})",
           flush=True)
@@ -161,6 +273,7 @@ def main(argv=None):
         w = csv.DictWriter(f, FIELDS)
         w.writeheader()
         w.writerows(rows)
+    drows = dispatch_sweep(args.quick, bench, out) if args.dispatch else []  # before the 7B layer: the same process
     layer_rows = []
     for seq in (2048, 4096):
         for p in (0.0, 0.1):
@@ -172,7 +285,9 @@ def main(argv=None):
         w.writeheader()
         w.writerows(layer_rows)
     short_table(rows, layer_rows, peak)
-    return 1 if failed else 0
+    if drows:
+        dispatch_table(drows)
+    return 1 if failed or any(r["kernel_ran"] == "failed" for r in drows) else 0
 
 
 def short_table(rows, layer_rows, peak):

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from .. import memory
+from .. import compat, memory
 from ..models import convert
 from ..registry import recomputable_layers
 from .output import run_dir
@@ -88,7 +88,7 @@ def build_model(kind, row, cfg, layers=None):
         model = GPT2LMHeadModel(config)
     else:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {kind!r}")
-    model.config._attn_implementation = "sdpa"
+    compat.set_attention_implementation(model.config, "sdpa")
     model.train()
     if row == "hf-ckpt":
         if hasattr(model, "activation_checkpointing_enable"):  # the name gradient_checkpointing_enable warns there

@@ -22,6 +22,8 @@ import warnings
 
 import torch
 
+from .. import compat
+
 FORMS = ("fp32", "autocast", "lora", "qlora")
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 128, 64, 4, 2, 32
 
@@ -43,7 +45,7 @@ def _base(form, tmp):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=176, num_hidden_layers=LAYERS,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                          use_cache=False, tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
+    compat.set_attention_implementation(config, "sdpa")
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     if form == "qlora":

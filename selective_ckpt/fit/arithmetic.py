@@ -158,20 +158,48 @@ class _Model:
                 PROGRESS(f"simulating {', '.join(map(str, kinds))} at {batch} x {seq_len} tokens")
             steps = {k: [] for k in kinds}
             for layers in (1, 2):
-                for k, step in self._simulate(layers, kinds, batch, seq_len).items():
+                for k, step in self._simulate_layers(layers, kinds, batch, seq_len).items():
                     steps[k].append(step)
             for k, (one, two) in steps.items():
                 self._steps[k, batch, seq_len] = _Layered(one, two)
         return self._steps[kind, batch, seq_len]
 
-    def _simulate(self, layers, kinds, batch, seq_len):
+    def _simulate_layers(self, layers, kinds, batch, seq_len):
+        """The simulated steps of `layers` (1 or 2) decoder layers. A hybrid stack (layers of a kind holding a
+        token mixer instead of attention, config.layer_types "linear_attention") is read as its first layer then
+        layers alike: the 1-layer step is its first layer, and the 2-layer step the mean of the 2-layer steps
+        adding a layer of each kind to it, weighted by how many of the model's other layers are of that kind, so
+        each term grows per layer by the average of the kinds' and the whole depth holds each kind's count."""
+        counts = _layer_kinds(self.config)
+        if counts is None:
+            return self._simulate(layers, kinds, batch, seq_len)
+        first = self.config.layer_types[0]
+        if layers == 1:
+            return self._simulate(1, kinds, batch, seq_len, [first])
+        other = self.num_layers - 1
+        parts = [(kind, (n - (kind == first)) / other) for kind, n in counts.items()]
+        runs = [(w, self._simulate(2, kinds, batch, seq_len, [first, kind])) for kind, w in parts if w > 0]
+        return {k: _mean([(w, run[k]) for w, run in runs]) for k in runs[0][1]}
+
+    def _simulate(self, layers, kinds, batch, seq_len, layer_types=None):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from ..models.moe import even_routing
 
         out = {}
+        config = self.config
+        if layer_types is not None:  # the hybrid's layers asked, first (simulate.build keeps the first `layers`)
+            config = config.__class__.from_dict(config.to_dict())
+            config.layer_types = list(layer_types) + list(self.config.layer_types)[len(layer_types):]
+            if "full_attention" not in layer_types[:layers]:
+                # a kv cache of linear-attention layers alone cannot build the attention mask: such a first layer
+                # runs without one (its cached conv and recurrent states, a few rows per layer, are left out)
+                config.use_cache = False
+            for name in ("_attn_implementation_internal", "_experts_implementation_internal"):
+                if hasattr(self.config, name):
+                    setattr(config, name, getattr(self.config, name))
         with FakeTensorMode(allow_non_fake_inputs=True), _quiet(), even_routing(), simulate.grouped_matmuls():
-            model = simulate.build(self.config, layers, self.form)
+            model = simulate.build(config, layers, self.form)
             autocast = self.form.autocast
             if "transformers" in kinds:
                 simulate.even_routing(model)
@@ -204,6 +232,27 @@ class _Model:
 
             self._cost = step_cost(self.config, self.form)
         return self._cost
+
+
+def _layer_kinds(config):
+    """{layer type: count} of a hybrid stack (config.layer_types holding "linear_attention", whose layers hold a
+    token mixer instead of attention, and another type), else None: a stack of layers alike."""
+    types = list(getattr(config, "layer_types", None) or ())[:config.num_hidden_layers]
+    if "linear_attention" not in types or len(set(types)) < 2:
+        return None
+    return dict(collections.Counter(types))
+
+
+def _mean(weighted):
+    """The Step whose every term is the weighted mean of the Steps' (weights summing to 1), rounded up."""
+    def mean(values):
+        return -int(-sum(w * v for (w, _), v in zip(weighted, values)) // 1)
+
+    steps = [s for _, s in weighted]
+    return simulate.Step(mean([s.weights for s in steps]), mean([s.state for s in steps]),
+                         mean([s.grads for s in steps]),
+                         {k: tuple(mean([s.phases[k][i] for s in steps]) for i in range(2)) for k in steps[0].phases},
+                         mean([s.forward_end for s in steps]))
 
 
 _CLASS_TOKENS = 1024  # tokens the per-class bytes are estimated at (every class's bytes are per token)

@@ -5,6 +5,8 @@ import json
 import os
 from importlib import resources
 
+from .. import compat
+
 HF_EXTRA = 'pip install "selective_ckpt[hf]"'
 
 
@@ -30,6 +32,9 @@ BUNDLED = {
     "Mistral-7B": "mistral-7b.json",
     "Gemma-2-9B": "gemma-2-9b.json",
     "Mixtral-8x7B": "mixtral-8x7b.json",
+    # hybrids: three linear-attention (Gated DeltaNet) layers to each full-attention one; Qwen3.5-9B's text model
+    "Qwen3-Next-80B-A3B": "qwen3-next-80b-a3b.json",
+    "Qwen3.5-9B": "qwen3.5-9b.json",
 }
 
 
@@ -84,6 +89,6 @@ def load_config(config):
         raise ValueError(f"config: field 'model_type' {model_type!r} is not a transformers model type "
                          f"({err})") from None
     if isinstance(config, PretrainedConfig):  # the implementations set on it, which to_dict leaves out
-        for name in ("_attn_implementation_internal", "_experts_implementation_internal"):
-            setattr(out, name, getattr(config, name, None))
+        compat.set_requested_attention_implementation(out, compat.requested_attention_implementation(config))
+        compat.set_requested_experts_implementation(out, compat.requested_experts_implementation(config))
     return out

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from .. import keeping
+from .. import compat, keeping
 from ..validation import check_positive_int
 from . import timing
 from .arithmetic import (
@@ -167,8 +167,7 @@ _CACHE_SIZE = 4
 
 def _model(config, form):
     key = (config.to_json_string(use_diff=False), form,
-           getattr(config, "_attn_implementation_internal", None),
-           getattr(config, "_experts_implementation_internal", None))
+           compat.requested_attention_implementation(config), compat.requested_experts_implementation(config))
     if key not in _CACHE:
         _CACHE[key] = _Model(config, form)
         while len(_CACHE) > _CACHE_SIZE:
@@ -412,7 +411,7 @@ def form_of(model, autocast=None):
     config = config.__class__.from_dict(config.to_dict())
     kind, rank, targets, dropout = "full", 16, None, 0.0
     for name, m in model.named_modules():
-        if type(m).__name__ in ("Linear4bit", "Params4bit"):
+        if compat.is_4bit(m):
             kind = "qlora"
         lora_a = getattr(m, "lora_A", None)
         if isinstance(lora_a, torch.nn.ModuleDict) and len(lora_a):

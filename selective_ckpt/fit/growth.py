@@ -343,7 +343,7 @@ def summary(origins, contexts=CONTEXTS):
 
 def main(argv=None):
     from .__main__ import _argument, _Parser, add_form_arguments, form_from_arguments, parse_seq_len
-    from .configs import BUNDLED
+    from .configs import BUNDLED, MissingExtra
 
     p = _Parser(prog="python -m selective_ckpt.fit.growth",
                 description="Every storage of one simulated training step whose bytes grow with the context, at "
@@ -376,6 +376,9 @@ def main(argv=None):
         t0 = time.perf_counter()
         origins = growing_allocations(a.config, form_from_arguments(a), contexts, policy, a.batch, a.layers)
         took = time.perf_counter() - t0
+    except MissingExtra as err:  # one line naming the extra, as fit's CLI
+        print(f"{p.prog}: error: {err}", file=sys.stderr)
+        return 1
     except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
         print(f"{p.prog}: error: {err}", file=sys.stderr)
         return 2

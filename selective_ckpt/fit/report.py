@@ -23,8 +23,8 @@ LEGEND = (
     f"allocator share: {ALLOCATOR_SHARE * 100:.0f} % of the peak for the caching allocator's rounding and "
     "fragmentation",
     "ours plan: the planner's (selective_ckpt.plan): per layer what is kept, offloaded to pinned host memory and "
-    "rebuilt, and the MLP's tiles, at the least predicted step time that fits the GPU and the host budget; its "
-    "longest context is the longest its leanest policy fits",
+    "rebuilt, and the MLP's or the layer's tiles, at the least predicted step time that fits the GPU and the host "
+    "budget; its longest context is the longest some plan fits (one token more, none does)",
     "transformers + gradient checkpointing: transformers' activation checkpointing (Trainer's "
     "activation_checkpointing=True, gradient_checkpointing=True on older transformers)",
     "transformers + offloaded checkpointing: the same with activation_checkpointing_enable(offload=True): each "

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .. import compat
 from ..storages import storage_id
 
 QLORA_BLOCK = 64  # NF4 block size: one float32 absmax per 64 weights (no double quantization)
@@ -150,11 +151,11 @@ def build(config, num_layers, form):
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = list(cfg.layer_types)[:num_layers]
-    attention = getattr(config, "_attn_implementation_internal", None)
-    cfg._attn_implementation_internal = None  # transformers picks its default for the model type
+    attention = compat.requested_attention_implementation(config)
+    compat.set_requested_attention_implementation(cfg, None)  # transformers picks its default for the model type
     # mixture-of-experts layers run the experts implementation the config names, else "grouped_mm" (what
     # from_pretrained picks where torch has grouped matmuls)
-    experts = getattr(config, "_experts_implementation_internal", None) or "grouped_mm"
+    experts = compat.requested_experts_implementation(config) or "grouped_mm"
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     # built on the meta device (no memory), then materialised as fake tensors at once
@@ -167,9 +168,9 @@ def build(config, num_layers, form):
     model = model.to_empty(device="cpu")
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
     if attention is not None:  # the one the config names, set as a user sets it on a built model
-        root.config._attn_implementation = attention
-    if hasattr(root.config, "_experts_implementation_internal"):
-        root.config._experts_implementation = experts
+        compat.set_attention_implementation(root.config, attention)
+    if compat.names_experts_implementation(root.config):
+        compat.set_experts_implementation(root.config, experts)
     return model.train()
 
 
@@ -241,7 +242,7 @@ def even_routing(model):
 
     for m in model.modules():
         if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "num_experts") and \
-                getattr(m.config, "_experts_implementation", None) == "eager":
+                compat.experts_implementation(m.config) == "eager":
             m.forward = MethodType(_even_eager_experts, m)
 
 

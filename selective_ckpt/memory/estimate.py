@@ -23,7 +23,8 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
              dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
-             norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, post_norms=False, moe=None, **layer_kwargs):
+             norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, post_norms=False, moe=None, mixer=None,
+             attn_gate=False, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -83,6 +84,13 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
 
     `moe` (memory.MoE): the layer's MLP is a sparse mixture of experts instead of one gated MLP; its
     parts (routed rows, router, shared expert; see MoE) replace gate_out and up_out.
+
+    `attn_gate=True` (Qwen3-Next, Qwen3.5: q_proj emits q and a gate per head, o_proj reads o * sigmoid(gate)):
+    with qk_norm=True the q norm's input is a view of the whole q_proj output, q and gate, so qk_norm_in counts
+    H*D more; the gated product is rebuilt from o and the gate (kept under "none": H*D).
+    `mixer` (memory.Mixer): the layer holds a token mixer kept as transformers' own (a Gated DeltaNet) instead
+    of attention: no q/k/v, o or lse; the mixer's own saved bytes instead (its input, the first norm's output,
+    is rebuilt under "selective" and kept under "none" as ln1_out). "full" and "attention-kept" keep x only.
     """
     check_residual(residual, norms)
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
@@ -110,6 +118,8 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     h = hidden_dim
     if recompute == "full":
         parts = {"x": t * h * er}
+    elif recompute == "attention-kept" and mixer is not None:  # no attention op: its checkpoint caches nothing
+        parts = {"x": t * h * er}
     elif recompute == "attention-kept":  # the checkpoint's input and the cached outputs of attention's forward
         parts = {"x": t * h * er, "o": t * h * e, "lse": num_heads * t * acc}
     else:
@@ -123,6 +133,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         else:
             parts["fc1_out"] = t * ffn * em
         parts["lse"] = num_heads * t * acc
+        if mixer is not None:
+            del parts["qkv"], parts["o"], parts["lse"]
+            parts["mixer"] = mixer.kept(seq_len, batch, as_dtype(residual_dtype) if residual_dtype else dtype, dtype)
         if norm_stats:
             parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * norms * t * acc
         if residual == "post-norm":
@@ -146,9 +159,14 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
                     del parts["ln2_out"]
             if moe is None:
                 parts["product" if gated else "gelu_out"] = t * ffn * e
-        if qk_norm is True:
+        if qk_norm is True and mixer is None:
             parts.update(qk_norm_in=t * (num_heads + kv_heads) * head_dim * e,
                          qk_norm_stats=t * (num_heads + kv_heads) * acc)
+        if attn_gate and mixer is None:
+            if qk_norm is True:
+                parts["qk_norm_in"] += t * num_heads * head_dim * e
+            if recompute == "none":
+                parts["attn_gate_product"] = t * num_heads * head_dim * e
         if qk_norm == "rotated":
             # RoPE multiplies q, k by tables of the residual stream's dtype: under autocast the rotated q, k (the
             # norms' inputs, and "none"'s outputs) are fp32, v stays in `dtype`
@@ -277,6 +295,29 @@ class MoE:
                 if self.shared_gate:
                     parts["shared_scaled"] = t * self.shared_dim * size
         return parts
+
+
+# Set by convert on each token mixer kept as transformers' own module (its value: why): the ledger counts what is
+# saved inside such a module apart (SavedEntry.mixer, LedgerReport.mixer_bytes). A plain attribute, not state.
+KEPT_MIXER = "_selective_ckpt_kept_mixer"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixer:
+    """A token mixer kept as transformers' implementation (a hybrid model's Gated DeltaNet), for `estimate`:
+    `saved(seq_len, batch, input_dtype, compute_dtype)` gives the bytes its own forward keeps for backward
+    (models/hybrid.py measures them by running that forward on fake tensors)."""
+
+    name: str
+    saved: object
+
+    def __post_init__(self):
+        if not callable(self.saved):
+            raise TypeError(f"Mixer.saved must be callable (seq_len, batch, input_dtype, compute_dtype) -> bytes, "
+                            f"got {type(self.saved).__name__}")
+
+    def kept(self, seq_len, batch, input_dtype, compute_dtype):
+        return int(self.saved(seq_len, batch, input_dtype, compute_dtype))
 
 
 # Elementwise FLOPs per element (coarse, but only their ratio to the matmuls matters for a plan).

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 from ..keeping import pipeline
 from ..registry import state_of
 from ..storages import storage_id
+from .estimate import KEPT_MIXER
 from .units import columns, format_bytes
 
 
@@ -36,6 +37,8 @@ class SavedEntry:
     views: int = 1  # how many saved tensors share this storage
     kind: str = "other"  # its class (keeping.policy.CLASSES), as the layer's pipeline named it
     residence: str = "device"  # "host" when the layer's offload engine copies it out after the layer
+    # the token mixer kept as transformers' own (estimate.KEPT_MIXER) whose forward saved it, or None
+    mixer: str = None
 
 
 class LedgerReport:
@@ -55,6 +58,18 @@ class LedgerReport:
     def by_layer(self):
         """Bytes per decoder layer (SelectiveDecoderLayer / EagerDecoderLayer by default), in call order."""
         return self._group("layer")
+
+    @property
+    def mixer_bytes(self):
+        """Bytes saved inside token mixers kept as transformers' own (a hybrid model's Gated DeltaNet), per layer:
+        what their own implementation keeps, counted apart from the floor the converted rest keeps. Counted as it
+        is saved, also what a branch the layer's output does not reach saved (memory.estimate counts only what
+        the graph still holds after the forward)."""
+        out = OrderedDict()
+        for e in self.entries:
+            if e.mixer is not None:
+                out[e.layer] = out.get(e.layer, 0) + e.bytes
+        return out
 
     @property
     def by_module(self):
@@ -205,6 +220,9 @@ class _Recorder:
         layer = next((self.name(m) for m in reversed(self.stack) if self.is_layer(m)), "-")
         return module, layer
 
+    def mixer(self):
+        return next((self.name(m) for m in reversed(self.stack) if getattr(m, KEPT_MIXER, None)), None)
+
     def add(self, t, op=None, kind="other", handle=None):
         if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
             return
@@ -227,7 +245,8 @@ class _Recorder:
             op = self.producers.by_key.get(key) if self.producers is not None else None
             op = op or (grad_fn if fn is not None else "input")
         module, layer = self.where()
-        self.entries[key] = SavedEntry(tuple(t.shape), t.dtype, nbytes, module, layer, op, grad_fn, kind=kind)
+        self.entries[key] = SavedEntry(tuple(t.shape), t.dtype, nbytes, module, layer, op, grad_fn, kind=kind,
+                                       mixer=self.mixer())
         if handle is not None:
             self.offloaded.append((self.entries[key], handle))
         self.keep_alive.append(t)

@@ -14,6 +14,7 @@ import pkgutil
 
 from torch import nn
 
+from .. import compat
 from ..keeping.policy import resolve
 from ..layers import SelectiveDecoderLayer, set_recompute
 from ..registry import recomputable_layers, state_of
@@ -71,6 +72,9 @@ def convert(model, recompute="selective", plan=None):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     root = hf.hf_root(model)
     if root is not None:
+        unsupported = compat.unsupported_transformers()  # before anything is read or changed
+        if unsupported is not None:
+            raise ConversionError(f"{type(root).__name__}: {unsupported}")
         model_type = getattr(root.config, "model_type", None)
         spec = model_specs().get(model_type)
         if spec is None:
@@ -88,6 +92,14 @@ def _check_tiles(layers, patches, spec, layer_policy):
     """A policy that runs the MLP in tiles needs every layer's MLP forward to tile: else the error, before any
     change."""
     child = hf.mlp_child(spec)
+    if layer_policy.layer_tiles > 1 and spec.mixer is not None:
+        mixer = next(c for c, role in spec.children if role == "mixer")
+        held = [type(layer).__name__ for layer in layers if mixer in layer._modules]
+        if held:
+            raise ConversionError(f"{held[0]}.{mixer} ({spec.mixer.cls}) is a recurrent token mixer kept as "
+                                  f"transformers' own: recompute={str(layer_policy)!r} cannot run its layers in "
+                                  f"{layer_policy.layer_tiles} query tiles (each tile would start its recurrence "
+                                  "anew); use layer_tiles=1 for this model")
     if layer_policy.layer_tiles > 1:
         for layer in layers:
             mlp = getattr(layer, child, None)

@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from .. import rng
+from .. import compat, rng
 from ..keeping import layer_tiles
 from ..ops.attention import attention
 from ..storages import is_fake, storage_bytes, storage_id
@@ -64,7 +64,8 @@ def record_reference(root):
     converted one follows where our kernel's contract differs from it (rows that attend nothing). A module
     attribute, so it is neither in the state dict nor in a saved config; deepcopy and pickling keep it."""
     for m in root.modules():
-        impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
+        config = getattr(m, "config", None)
+        impl = None if config is None else compat.attention_implementation(config)
         if isinstance(impl, str) and impl != NAME:
             m.__dict__[_REFERENCE] = impl
 
@@ -84,7 +85,7 @@ def reference_attention(module):
 
         owners = [c for c in vars(sys.modules.get(name, object)).values()
                   if isinstance(c, type) and issubclass(c, PreTrainedModel) and c is not PreTrainedModel]
-        _FAMILY_SDPA[name] = all(getattr(c, "_supports_sdpa", True) for c in owners)
+        _FAMILY_SDPA[name] = all(compat.family_supports_sdpa(c) for c in owners)
     return "sdpa" if _FAMILY_SDPA[name] else "eager"
 
 
@@ -256,19 +257,9 @@ def weights_requested(module, kwargs):
     """
     if kwargs.get("output_attentions"):
         return True
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without output-capturing hooks passes the flag down
-        _active_collector = None
-    if _active_collector is None:
-        collected = None
-    elif torch.compiler.is_compiling():
-        # dynamo cannot trace ContextVar.get: transformers' collector is a plain global once the model forward that
-        # sets it is traced too (`compiling`); a layer traced on its own (an eager model around it) reads the config
-        collected = getattr(_active_collector, "global_var", None) if getattr(_active_collector, "compiling",
-                                                                               False) else None
-    else:
-        collected = _active_collector.get()
+    # None outside a model forward, under a transformers without output capturing (it passes the flag down), and
+    # for a layer traced by dynamo on its own (an eager model around it): the module's config decides then
+    collected = compat.active_output_collector()
     if collected is not None:
         return "attentions" in collected
     return bool(getattr(getattr(module, "config", None), "output_attentions", False))
@@ -313,8 +304,9 @@ def _family_eager(module, name, query, key, value, attention_mask, dropout, scal
                               f"or soft-capped scores outside our kernels), but {type(module).__module__} defines no "
                               "eager_attention_forward")
     mask = eager_mask(attention_mask, query, key, kwargs.get("sliding_window"))
-    if getattr(module, "reorder_and_upcast_attn", False) and hasattr(module, "_upcast_and_reordered_attn"):
-        return module._upcast_and_reordered_attn(query, key, value, mask)
+    upcast = compat.upcast_reordered_attention(module) if getattr(module, "reorder_and_upcast_attn", False) else None
+    if upcast is not None:
+        return upcast(query, key, value, mask)
     kwargs.pop("output_attentions", None)
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 

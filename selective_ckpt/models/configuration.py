@@ -9,10 +9,9 @@ model, LoRA with or without dropout, 4-bit bases after prepare_model_for_kbit_tr
 import torch
 from torch import nn
 
+from .. import compat
 from ..memory.estimate import LoRA, estimate
 from ..registry import state_of
-
-_QUANTIZED = ("Linear4bit", "Linear8bitLt")
 
 
 def _base(module):
@@ -23,8 +22,8 @@ def _projections(layer):
     """(name, projection) for the Linear-like modules of the layer (LoRA wrappers unwrapped)."""
     out = []
     for name, m in layer.named_modules():
-        if hasattr(m, "base_layer") or type(m).__name__ in _QUANTIZED or type(m) in (nn.Linear,) or \
-                type(m).__name__ == "Conv1D":
+        if hasattr(m, "base_layer") or compat.is_quantized_linear(m) or type(m) in (nn.Linear,) or \
+                compat.is_conv1d(m):
             if any(name.startswith(p + ".") for p, _ in out):
                 continue
             out.append((name, m))
@@ -59,7 +58,7 @@ def training_dtypes(layer, autocast_dtype=None):
     else:
         compute = floating[0] if floating else residual
     # a quantized base casts its output back to its input's dtype (the residual stream's)
-    quantized = any(type(b).__name__ in _QUANTIZED for b in bases)
+    quantized = any(compat.is_quantized_linear(b) for b in bases)
     mlp = residual if quantized else compute
     return {"residual_dtype": residual, "dtype": compute, "mlp_dtype": mlp}
 

@@ -17,9 +17,11 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .. import compat
 from ..keeping import layer_tiles, pipeline
 from ..keeping.attention_kept import attention_kept_checkpoint
 from ..keeping.policy import CHECKPOINTED, NAMED, resolve
+from ..memory.estimate import KEPT_MIXER
 from ..registry import STATE
 from . import attention
 from .errors import ConversionError
@@ -90,7 +92,7 @@ class ConvertedLayerState:
         not the attention-kept checkpoint this policy installed)."""
         layer, mode = self.layer, self._policy.recompute
         if getattr(layer, "gradient_checkpointing", False):
-            func = getattr(layer, "_gradient_checkpointing_func", None)
+            func = compat.layer_checkpoint_function(layer)
             ours = (mode == "full" and (self._policy.layer_tiles == 1 or layer_tiles.is_layer_tiles(func))) or (
                 mode == "attention-kept" and func is attention_kept_checkpoint)
             return self._policy if ours else NAMED["full"]
@@ -107,16 +109,18 @@ class ConvertedLayerState:
             setattr(mlp, MLP_TILES, value.mlp_tiles)
         self.full_asked = value.recompute in CHECKPOINTED  # not transformers' checkpointing switched on around us
         layer = self.layer
-        current = getattr(layer, "_gradient_checkpointing_func", None)
+        current = compat.layer_checkpoint_function(layer)
         ours = current is attention_kept_checkpoint or layer_tiles.is_layer_tiles(current)
         if ours:  # the user's checkpoint function is back when the policy no longer installs ours
-            current = layer._gradient_checkpointing_func = getattr(self, "replaced_checkpoint", None)
+            current = getattr(self, "replaced_checkpoint", None)
+            compat.set_layer_checkpoint_function(layer, current)
         if value.recompute == "attention-kept" or value.layer_tiles > 1:
             self.replaced_checkpoint = current
-            layer._gradient_checkpointing_func = (attention_kept_checkpoint if value.recompute == "attention-kept"
-                                                  else layer_tiles.checkpoint_for(value.layer_tiles))
+            installed = (attention_kept_checkpoint if value.recompute == "attention-kept"
+                         else layer_tiles.checkpoint_for(value.layer_tiles))
+            compat.set_layer_checkpoint_function(layer, installed)
         elif value.recompute == "full" and current is None:
-            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+            compat.set_layer_checkpoint_function(layer, functools.partial(checkpoint, use_reentrant=False))
         layer.gradient_checkpointing = self.full_asked
         self._policy = value
 
@@ -142,6 +146,11 @@ class ConvertedLayerState:
         experts (transformers collects its router logits once per call of the router, which tiles would split)."""
         if tiles == 1:
             return
+        mixer = next((m for m in self.layer.children() if getattr(m, KEPT_MIXER, None)), None)
+        if mixer is not None:  # a hybrid's recurrent mixer (models/hybrid.py): a tile would start it anew
+            raise ValueError(f"{self.name}: the policy's layer_tiles={tiles} cannot apply: its token mixer "
+                             f"{type(mixer).__name__} is recurrent and kept as transformers' own; give this layer "
+                             "layer_tiles=1")
         name = getattr(self, "mlp_child", None)
         mlp = getattr(self.layer, name, None) if name else None
         if mlp is not None and hasattr(mlp, "experts"):

@@ -17,6 +17,7 @@ import logging
 from torch import nn
 
 from ..activations import elementwise_problem, kernel_activation
+from ..memory.estimate import KEPT_MIXER
 from ..validation import NORMS
 from . import attention, hub_kernels, loss_head
 from .converted_layer import announce_modes, convert_decoder_layer
@@ -32,7 +33,9 @@ from .patches import (
 )
 from .patching import patch_forward
 
-ROLES = ("norm", "attention", "mlp", "dropout")  # "dropout": an nn.Dropout child of the layer (Phi-3's residual ones)
+# "dropout": an nn.Dropout child of the layer (Phi-3's residual ones); "mixer": a token mixer kept as transformers'
+# own module (ModelSpec.mixer), which a layer holds instead of its attention
+ROLES = ("norm", "attention", "mlp", "dropout", "mixer")
 # separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc); one gate_up_proj whose output
 # is chunked into gate and up (Phi-3)
 MLP_LAYOUTS = ("gate_up", "fc", "packed_gate_up")
@@ -74,6 +77,17 @@ class MLPSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixerSpec:
+    """A token mixer a hybrid model's layers hold instead of attention (a Gated DeltaNet), kept as transformers'
+    implementation: its forward runs as it is and keeps what it saves (no kernel of ours reproduces it); the
+    layer's norms, MLP and dropouts still convert. Said once at convert (which layers, which module, `why`);
+    memory.estimate counts what it saves (memory.Mixer, measured by running its forward on fake tensors)."""
+
+    cls: str  # the mixer's class name
+    why: str  # why it is kept as it is, for the line said at convert
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     model_types: tuple  # config.model_type values
     layer: str  # decoder layer class name
@@ -95,9 +109,14 @@ class ModelSpec:
     # is config.text_config): the driver converts that sub-model alone, by this spec and its own config; the rest
     # (vision tower, projector, head) stays transformers' own, said once at convert. None: the whole model
     text_model: str = None
+    # a token mixer kept as transformers' own (MixerSpec): the layers with a child of role "mixer" hold it instead of
+    # their "attention" child, each layer exactly one of the two. None: every layer holds its attention
+    mixer: object = None
 
     def __post_init__(self):
         bad = sorted({role for _, role in self.children} - set(ROLES))
+        if any(role == "mixer" for _, role in self.children) != (self.mixer is not None):
+            raise ValueError(f"model spec {self.model_types}: a child of role 'mixer' and ModelSpec.mixer go together")
         if any(role == "dropout" for _, role in self.children) and not self.dropout:
             raise ValueError(f"model spec {self.model_types}: a layer with dropout children needs dropout=True")
         if self.mlp.layout == "gate_up" and tuple(self.mlp.children) != GATE_UP_CHILDREN:
@@ -220,9 +239,18 @@ def plan(root, spec, model_type):
         raise ConversionError(f"{name} holds no {spec.layer}")
     expected = {"norm": spec.norm.cls, "attention": spec.attention, "mlp": spec.mlp.cls, "dropout": nn.Dropout}
     attention_children = spec.attention_children + (spec.qk_norm_children if spec.qk_norm else ())
+    mixers = ("attention", "mixer") if spec.mixer is not None else ()
+    expected["mixer"] = spec.mixer.cls if spec.mixer is not None else None
     for lname, layer in layers:
         check_children(layer, lname, [c for c, _ in spec.children], model_type)
+        held = [c for c, role in spec.children if role in mixers and c in layer._modules]
+        if mixers and len(held) != 1:
+            names = [c for c, role in spec.children if role in mixers]
+            raise ConversionError(f"{lname} ({type(layer).__name__}, model type {model_type!r}) holds {held or 'none'} "
+                                  f"of its token mixers {names}; a converted layer holds exactly one")
         for child, role in spec.children:
+            if role in mixers and child not in held:
+                continue
             module = getattr(layer, child)
             if not _is(module, expected[role]) and not (role == "mlp" and spec.moe and _is(module, spec.moe.block)):
                 raise ConversionError(f"{lname}.{child} (model type {model_type!r}) is a {type(module).__name__}, not "
@@ -244,7 +272,7 @@ def plan(root, spec, model_type):
         attn = _child_of_role(spec, "attention")
         # a family whose q/k norms are optional by config (GLM-4.5's use_qk_norm) may have none
         qk_norms = {id(m) for _, layer in layers for n in spec.qk_norm_children
-                    if (m := getattr(getattr(layer, attn), n, None)) is not None}
+                    if (m := getattr(getattr(layer, attn, None), n, None)) is not None}
     patches = [(m, _norm_forward(spec.norm, "qkv" if id(m) in qk_norms else "residual"))
                for _, m in modules_of(root, spec.norm.cls)]
     if spec.dropout:
@@ -365,9 +393,26 @@ def apply(root, layers, patches, mode, spec):
         convert_decoder_layer(layer, mode, functools.partial(spec.shape, config=part.config, spec=spec),
                               names.get(id(layer)), _child_of_role(spec, "mlp"))
     announce_modes(layers)
+    if spec.mixer is not None:
+        _say_mixers(root, spec, layers, names)
     loss_head.install(root)
     if part is not root:
         _say_left_as_is(root, spec, part)
+
+
+def _say_mixers(root, spec, layers, names):
+    """Marks each kept mixer (KEPT_MIXER) and says once which layers keep which module as transformers' own, and
+    why: one info line on the selective_ckpt logger."""
+    child = next(c for c, role in spec.children if role == "mixer")
+    held = [(i, getattr(layer, child)) for i, layer in enumerate(layers) if child in layer._modules]
+    for _, mixer in held:
+        setattr(mixer, KEPT_MIXER, spec.mixer.why)
+    if held:
+        logging.getLogger("selective_ckpt").info(
+            f"selective_ckpt: {type(root).__name__} (model type {getattr(root.config, 'model_type', None)!r}): "
+            f"decoder layers {', '.join(str(i) for i, _ in held)} of {len(layers)} keep their {child} "
+            f"({spec.mixer.cls}) as transformers' own, and what it saves for backward: {spec.mixer.why}; their norms "
+            "and MLP convert")
 
 
 def _say_left_as_is(root, spec, part):
@@ -379,5 +424,5 @@ def _say_left_as_is(root, spec, part):
         f"model spec converts the text decoder's layers only{head}")
 
 
-__all__ = ["ConversionError", "MLPSpec", "ModelSpec", "NormSpec", "apply", "config_shape",
+__all__ = ["ConversionError", "KEPT_MIXER", "MLPSpec", "MixerSpec", "ModelSpec", "NormSpec", "apply", "config_shape",
            "hf_root", "left_as_is", "llama_shaped", "plan", "residual_shape", "text_part", "text_path"]

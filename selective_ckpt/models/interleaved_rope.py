@@ -7,6 +7,8 @@ same ops on the same values, so the bits are transformers' and a layer keeps non
 
 import torch
 
+from .. import compat
+
 _TABLES = "_selective_ckpt_interleaved"  # attribute of the model's cos: (sin, repeated cos, repeated sin)
 
 
@@ -63,7 +65,7 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     query_states, key_states = rotate(query_states, key_states, cos, sin, modeling.rotate_half)
     if cache is not None:
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(compat.attention_implementation(self.config),
                                                                 modeling.eager_attention_forward)
     attn_output, attn_weights = attention_interface(
         self, query_states, key_states, value_states, attention_mask,

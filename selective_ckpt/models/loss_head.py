@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .. import compat
 from ..ops.cross_entropy import check_labels, chunk_rows, linear_cross_entropy, logits_cross_entropy
 from ..storages import is_fake
 from .patching import PATCHED, patch_forward
@@ -122,7 +123,7 @@ def causal_lm_forward(self, *args, **kwargs):
 
 def _plain_linear(head):
     """The nn.Linear whose weight the fused op can read for this head module, or None."""
-    if type(head).__name__ == "ModulesToSaveWrapper":  # PEFT's modules_to_save: the active copy
+    if compat.is_modules_to_save(head):  # PEFT's modules_to_save: the active copy
         active = getattr(head, "active_adapters", None) or []
         if getattr(head, "disable_adapters", False) or not active:
             head = head.original_module
@@ -148,19 +149,19 @@ class _HeadCapture:
 
     def __enter__(self):
         head, model = self.head, self.model
-        self._saved = {"forward": vars(head).get("forward"), "_loss_function": vars(model).get("_loss_function")}
+        self._saved = {"forward": vars(head).get("forward"), "loss": compat.own_loss_function(model)}
         self.head_forward = head.forward  # the module's own forward (bound), for heads called chunk by chunk
         head.forward = self._intercept
-        model._loss_function = self._loss
+        compat.set_own_loss_function(model, self._loss)
         return self
 
     def __exit__(self, *exc):
-        for obj, name in ((self.head, "forward"), (self.model, "_loss_function")):
-            saved = self._saved[name]
-            if saved is None:
-                vars(obj).pop(name, None)
-            else:
-                setattr(obj, name, saved)
+        saved = self._saved["forward"]
+        if saved is None:
+            vars(self.head).pop("forward", None)
+        else:
+            self.head.forward = saved
+        compat.set_own_loss_function(self.model, self._saved["loss"])
         # the placeholder refers back to this capture: without this the final hidden states stayed alive in that
         # reference cycle after the step, until the garbage collector ran
         self.hidden = self.placeholder = None

@@ -27,15 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import compat
 from ..keeping import pipeline
 from .errors import ConversionError
 from .patches import dropout_forward
 
 # Module classes a converted layer may hold whose saved tensors the layer pipeline handles: the
 # families' own blocks are checked by their plans; these are the consumers found inside them.
-KNOWN_CONSUMERS = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt", "Dropout", "Identity", "ModuleDict",
-                   "ParameterDict", "BufferDict")
-KNOWN_PARAMETERS = ("Parameter", "Params4bit", "Int8Params")
+KNOWN_CONSUMERS = ("Linear", compat.CONV1D, *compat.QUANTIZED_LINEARS, "Dropout", "Identity", "ModuleDict",
+                   "ParameterDict", *compat.PEFT_CONTAINERS)
+KNOWN_PARAMETERS = ("Parameter", *compat.QUANTIZED_PARAMETERS)
 
 
 def int8_linear_forward(self, x):
@@ -44,10 +45,9 @@ def int8_linear_forward(self, x):
     backward reads the input only for the weight gradient, and holding it keeps a rebuilt norm or
     activation output alive (the norm output per projection input, the MLP product for down_proj)."""
     out = type(self).forward(self, x)
-    node = out.grad_fn if isinstance(out, torch.Tensor) else None
-    if node is not None and type(node).__name__ == "MatMul8bitFpBackward" and getattr(node, "A", None) is not None:
-        if not node.needs_input_grad[1]:
-            node.A = None
+    node = compat.int8_input_holder(out)
+    if node is not None and not node.needs_input_grad[1]:
+        compat.drop_int8_input(node)
     return out
 
 
@@ -106,8 +106,7 @@ def _check_variants(name, lora):
 def plan_adapters(root, owner=""):
     """(module, forward) patches for the LoRA dropouts, LoRA layers' Linears and 8-bit Linears under `root`;
     raises ConversionError for LoRA variants."""
-    patches = [(m, int8_linear_forward) for m in root.modules() if type(m).__name__ == "Linear8bitLt"
-               and type(m).__module__.startswith("bitsandbytes.")]
+    patches = [(m, int8_linear_forward) for m in root.modules() if compat.is_int8_linear(m)]
     for name, lora in _lora_layers(root):
         full = f"{owner}.{name}" if owner and name else (name or owner)
         _check_variants(full, lora)
@@ -129,7 +128,7 @@ def unknown_modules(layer):
         cls = type(m)
         if not name or cls.__name__ in known or cls.__module__.startswith(("transformers.", "torch.nn.")):
             continue
-        if cls.__module__.startswith("peft.tuners.lora") and cls.__name__ in ("Linear", "Linear4bit", "Linear8bitLt"):
+        if compat.is_peft_lora_linear(cls):
             continue
         out.append(f"{name} ({cls.__module__}.{cls.__name__})")
     for name, p in layer.named_parameters():

@@ -19,6 +19,7 @@ from .. import backend, rng
 from ..double_backward import first_order_only
 from ..keeping import pipeline
 from ..validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool
+from . import attention_dispatch
 from .eager import fast_eager
 
 
@@ -41,10 +42,15 @@ def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
                      softmax_scale: float, seed: Optional[torch.Tensor],
                      softcap: float = 0.0, q_offset: int = 0,
                      sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    kernel = attention_dispatch.choose_for(q, k, mask, cu_seqlens, causal, sliding_window, dropout_p, softcap, q_offset,
+                                           extra=sinks is not None)
+    if kernel != attention_dispatch.OURS:  # PyTorch's kernel: the same o and lse (attention_dispatch)
+        return attention_dispatch.forward(kernel, q, k, v, mask, cu_seqlens, causal, sliding_window, softmax_scale,
+                                          q_offset)
     B, H, Sq, _ = q.shape
     o = _output(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-    mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     t16, ks = rng.kernel_constants(dropout_p)
     if o.numel():  # an empty batch or query length has nothing to compute
         backend.call("attention", "forward", q, k, v, heads_view(o), lse, mask, cu_seqlens, causal, sliding_window,
@@ -73,9 +79,14 @@ def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and the sinks' gradient: fp32 [H] summed over the batch with sinks, else an empty [0]."""
     do = do.contiguous()  # a grad from .sum().backward() has stride 0
+    mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    kernel = attention_dispatch.choose_for(q, k, mask, cu_seqlens, causal, sliding_window, dropout_p, softcap, q_offset,
+                                           extra=sinks is not None)
+    if kernel != attention_dispatch.OURS:  # the backward of the kernel that ran forward (the same choice)
+        return (*attention_dispatch.backward(kernel, do, q, k, v, o, lse, mask, cu_seqlens, causal, sliding_window,
+                                             softmax_scale, q_offset), _dsinks(q, None))
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dsinks = _dsinks(q, sinks)
-    mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     t16, ks = rng.kernel_constants(dropout_p)
     if not do.numel():
         return dq, dk.zero_(), dv.zero_(), dsinks.zero_()

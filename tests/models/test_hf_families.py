@@ -89,19 +89,22 @@ def test_packed_documents_stay_apart(family):
 @every_family
 def test_layer_keeps_its_estimate(family):
     """Train mode: the bytes one converted layer keeps after forward (a 2-layer minus a 1-layer model) are
-    exactly memory.estimate for its shape, and less than the unconverted layer keeps."""
+    exactly memory.estimate for its shape, and less than the unconverted layer keeps; a hybrid family's layers
+    kind by kind (its kv cache off: a cache of linear-attention layers alone cannot build the attention mask)."""
     ids, _ = batch(b=2, s=24, pad_rows=False)
+    for kind, kw in family.layer_kinds or (("", {}),):
+        inputs = {"input_ids": ids, "use_cache": False} if kind else {"input_ids": ids}
 
-    def layers(n, converted=True):
-        torch.manual_seed(0)
-        model = family.build(num_hidden_layers=n)().train()
-        model.config._attn_implementation = unconverted_attention(model.config)
-        return convert(model) if converted else model
+        def layers(n, converted=True):
+            torch.manual_seed(0)
+            model = family.build(num_hidden_layers=n, **kw)().train()
+            model.config._attn_implementation = unconverted_attention(model.config)
+            return convert(model) if converted else model
 
-    ours = kept_bytes_per_layer(layers, {"input_ids": ids})
-    layer = recomputable_layers(layers(1))[0]
-    assert ours == layer_estimate(layer, ids.shape[1], ids.shape[0])
-    assert kept_bytes_per_layer(lambda n: layers(n, False), {"input_ids": ids}) > ours
+        ours = kept_bytes_per_layer(layers, inputs)
+        layer = recomputable_layers(layers(1))[0]
+        assert ours == layer_estimate(layer, ids.shape[1], ids.shape[0]), kind
+        assert kept_bytes_per_layer(lambda n: layers(n, False), inputs) > ours, kind
 
 
 @pytest.mark.parametrize("family, head", [(f, h) for f in FAMILIES for h in f.heads],

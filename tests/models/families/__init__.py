@@ -30,6 +30,9 @@ class Family:
     # {check: reason}: shared checks outside tests/models/test_hf_families.py this family cannot run ("fit":
     # tests/fit/test_fit.py), each skipped with its reason (skips)
     skip: dict | None = None
+    # (name, config keyword arguments) of each kind of layer a hybrid family mixes (full- and linear-attention
+    # layers): test_layer_keeps_its_estimate measures a layer of each kind, in a model of that kind alone
+    layer_kinds: tuple = ()
 
     def skips(self, check):
         """pytest marks for `check`: a skip with the family's reason, or none."""
