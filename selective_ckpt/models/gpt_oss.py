@@ -12,6 +12,7 @@ projection and the routing-weight product are rebuilt in backward; the biases' g
 
 import torch
 
+from .. import compat
 from ..double_backward import first_order_only
 from ..keeping import pipeline
 from ..memory.estimate import MoE
@@ -180,14 +181,17 @@ class GptOssMoESpec(MoESpec):
                                   f"(selective_ckpt reproduces {', '.join(IMPLEMENTATIONS)}); load the model with "
                                   "experts_implementation='grouped_mm' or 'eager'")
         flags = {"has_gate": True, "has_bias": True, "is_transposed": True, "is_concatenated": False,
-                 "has_post_expert_norm": False, "_is_expert_parallel": False}
+                 "has_post_expert_norm": False}
         wrong = [f"{f}={getattr(experts, f, None)!r}" for f, want in flags.items()
                  if getattr(experts, f, want) != want]
+        if compat.is_expert_parallel(experts):
+            wrong.append("expert parallelism")
         if wrong:
             raise ConversionError(f"{name}.experts with {', '.join(wrong)} cannot be converted; selective_ckpt "
                                   "converts gpt-oss's interleaved, transposed, biased experts without post-norm or "
                                   "expert parallelism")
-        if type(experts)._apply_gate.__qualname__ != f"{_EXPERTS}._apply_gate":
+        gate = compat.expert_gate(experts)
+        if gate is not None and gate.__qualname__ != f"{_EXPERTS}._apply_gate":
             raise ConversionError(f"{name}.experts: a gate other than {_EXPERTS}._apply_gate cannot be converted")
         for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
             t = getattr(experts, p, None)
