@@ -24,7 +24,7 @@ import collections
 import contextlib
 import dataclasses
 
-from .. import keeping
+from .. import compat, keeping
 from . import simulate
 from .forms import TrainingForm
 
@@ -195,9 +195,11 @@ class _Model:
                 # a kv cache of linear-attention layers alone cannot build the attention mask: such a first layer
                 # runs without one (its cached conv and recurrent states, a few rows per layer, are left out)
                 config.use_cache = False
-            for name in ("_attn_implementation_internal", "_experts_implementation_internal"):
-                if hasattr(self.config, name):
-                    setattr(config, name, getattr(self.config, name))
+            # the implementations set on the config, which to_dict leaves out
+            original = self.config
+            compat.set_requested_attention_implementation(config, compat.requested_attention_implementation(original))
+            if compat.names_experts_implementation(original):
+                compat.set_requested_experts_implementation(config, compat.requested_experts_implementation(original))
         with FakeTensorMode(allow_non_fake_inputs=True), _quiet(), even_routing(), simulate.grouped_matmuls():
             model = simulate.build(config, layers, self.form)
             autocast = self.form.autocast

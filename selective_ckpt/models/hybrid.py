@@ -20,6 +20,7 @@ import weakref
 
 import torch
 
+from .. import compat
 from ..double_backward import first_order_only
 from ..keeping import pipeline
 from ..memory.estimate import Mixer
@@ -97,7 +98,7 @@ def gated_attention_forward(self, hidden_states, position_embeddings, attention_
     query_states, key_states = modeling.apply_rotary_pos_emb(query_states, key_states, cos, sin)
     if cache is not None:
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-    attention_interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+    attention_interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(compat.attention_implementation(self.config),
                                                                          modeling.eager_attention_forward)
     attn_output, attn_weights = attention_interface(
         self, query_states, key_states, value_states, attention_mask,
