@@ -171,8 +171,9 @@ Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr
 void attention_forward(int dtype, std::array<int64_t, 6> sizes, uintptr_t q, Strides qs, uintptr_t k, Strides ks,
                        uintptr_t v, Strides vs, uintptr_t o, Strides os, uintptr_t lse, uintptr_t pad, uintptr_t cu,
                        int64_t ndocs, bool causal, int64_t window, double scale, double softcap, uintptr_t seed,
-                       int64_t t16, double keep_scale, int64_t q_offset) {
+                       int64_t t16, double keep_scale, int64_t q_offset, uintptr_t sinks) {
   Problem p = make_problem(sizes, pad, cu, ndocs, causal, window, scale, softcap, seed, t16, keep_scale, q_offset);
+  p.sinks = as_ptr<const float>(sinks);
   p.q = as_ptr<const void>(q);
   p.k = as_ptr<const void>(k);
   p.v = as_ptr<const void>(v);
@@ -207,8 +208,12 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
                         Strides ks, uintptr_t v, Strides vs, uintptr_t o, Strides os, uintptr_t lse, uintptr_t pad,
                         uintptr_t cu, int64_t ndocs, bool causal, int64_t window, double scale, double softcap,
                         uintptr_t seed, int64_t t16, double keep_scale, uintptr_t dq, uintptr_t dk, uintptr_t dv,
-                        int64_t q_offset) {
+                        int64_t q_offset, uintptr_t sinks, uintptr_t dsinks) {
   Problem p = make_problem(sizes, pad, cu, ndocs, causal, window, scale, softcap, seed, t16, keep_scale, q_offset);
+  p.sinks = as_ptr<const float>(sinks);
+  p.dsinks = as_ptr<float>(dsinks);
+  if ((p.sinks == nullptr) != (p.dsinks == nullptr))
+    throw std::invalid_argument("attention: sinks and dsinks go together");
   p.q = as_ptr<const void>(q);
   p.k = as_ptr<const void>(k);
   p.v = as_ptr<const void>(v);
@@ -224,6 +229,7 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
   p.lse_in = as_ptr<const float>(lse);
   std::vector<float> delta(size_t(p.B * p.H * p.Sq));
   p.delta = delta.data();
+  std::vector<double> sink(p.sinks != nullptr ? size_t(p.B * p.H) : 0), sink_part;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using Acc = typename Elem<T>::Acc;
@@ -240,6 +246,10 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
     p.chunks = std::min(nkt, ceil_div(kSinglePassTasks, groups));
     p.single_pass = passes == 1 || (passes == 0 && groups * p.chunks >= kSinglePassTasks);
     std::vector<Acc> part;
+    if (p.sinks != nullptr) {  // every dQ tile writes its slot (chunks of the single pass, else chunk 0)
+      sink_part.assign(size_t(p.chunks * p.B * p.H * nqt), 0.0);
+      p.sink_part = sink_part.data();
+    }
     if (p.single_pass && p.chunks > 1) {
       part.assign(size_t(p.chunks * p.B * p.H * p.Sq * p.Dp), Acc(0));
       p.dq_part = part.data();
@@ -248,7 +258,7 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-      for (int64_t bh = 0; bh < p.B * p.H; ++bh) delta_fn(p, bh, delta.data());
+      for (int64_t bh = 0; bh < p.B * p.H; ++bh) delta_fn(p, bh, delta.data(), sink.data());
       Work<Acc> w(p);
       if (p.single_pass) {
 #pragma omp for schedule(dynamic, 1)
@@ -264,7 +274,7 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < qtasks; ++task) {
           const int64_t t = nqt - 1 - task / (p.B * p.H), bh = task % (p.B * p.H);
-          dq_fn(p, bh / p.H, bh % p.H, t, w, nullptr, nullptr, 0, p.Sk, nullptr);
+          dq_fn(p, bh / p.H, bh % p.H, t, w, nullptr, nullptr, 0, p.Sk, nullptr, 0);
         }
         // Under a causal mask the first key tiles are attended by the most queries: first out.
 #pragma omp for schedule(dynamic, 1)
@@ -275,6 +285,19 @@ void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout,
       }
     }
   });
+  // the sinks' gradient: the delta pass's and the dQ tiles' shares, summed in a fixed order
+  const int64_t nqt = ceil_div(p.Sq, p.BM), slots = int64_t(sink_part.size()) / std::max<int64_t>(p.B * p.H, 1);
+  for (int64_t h = 0; h < (p.sinks != nullptr ? p.H : 0); ++h) {
+    double g = 0;
+    for (int64_t b = 0; b < p.B; ++b) {
+      g += sink[size_t(b * p.H + h)];
+      for (int64_t s = 0; s < slots; ++s) {  // slot s = (chunk, query tile) of this (b, h)
+        const int64_t chunk = s / nqt, t = s % nqt;
+        g += sink_part[size_t((chunk * p.B * p.H + b * p.H + h) * nqt + t)];
+      }
+    }
+    p.dsinks[h] = float(g);
+  }
 }
 
 // Sets the backward's passes: 1 (single), 2 (dQ, then dK/dV) or 0 (by shape); returns the previous.
@@ -325,13 +348,13 @@ void register_attention(py::module_& m) {
         py::arg("k"), py::arg("k_strides"), py::arg("v"), py::arg("v_strides"), py::arg("o"), py::arg("o_strides"),
         py::arg("lse"), py::arg("key_padding_mask"), py::arg("cu_seqlens"), py::arg("n_docs"), py::arg("causal"),
         py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("seed"), py::arg("t16"), py::arg("keep_scale"),
-        py::arg("q_offset") = 0, py::call_guard<py::gil_scoped_release>());
+        py::arg("q_offset") = 0, py::arg("sinks") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("attention_backward", &attention_backward, py::arg("dtype"), py::arg("sizes"), py::arg("do"), py::arg("q"),
         py::arg("q_strides"), py::arg("k"), py::arg("k_strides"), py::arg("v"), py::arg("v_strides"), py::arg("o"),
         py::arg("o_strides"), py::arg("lse"), py::arg("key_padding_mask"), py::arg("cu_seqlens"), py::arg("n_docs"),
         py::arg("causal"), py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("seed"), py::arg("t16"),
         py::arg("keep_scale"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("q_offset") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("sinks") = 0, py::arg("dsinks") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("attention_tiles", &attention_tiles, py::arg("block_q"), py::arg("block_k"));
   m.def("attention_isa", &attention_isa);
   m.def("attention_backward_passes", &attention_backward_passes, py::arg("passes"));

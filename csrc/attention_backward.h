@@ -4,8 +4,16 @@
 // attention_kernels.h, compiled inside the ISA's namespace: no #include here.
 
 // delta[b, h, i] = sum_d dO * O in Acc (O as stored, so it includes the dropout).
+//
+// The sinks' gradient is d s_h = -sum_i P_sink_i D_i with P_sink_i = exp(s_h - lse_i) and D_i the exact
+// sum_j P_ij keep_ij dP_ij (a unit of s_h moves O_i by -P_sink_i O_i). delta, from O rounded to the
+// input dtype, is D only to that rounding, which a sum over every row of the batch would gather; so D_i
+// is taken as rowsum_j dS_ij + delta_i (1 - P_sink_i) (dS_ij = P_ij (keep_ij dP_ij - delta_i) and
+// sum_j P_ij = 1 - P_sink_i), with the row sums of dS from the dQ tiles, in fp32 from unrounded P and dP.
+// Here sink[bh] gets the delta part, -sum_i P_sink_i (1 - P_sink_i) delta_i; dq_tile adds the rest.
+// Empty rows (lse = +inf) add 0.
 template <class T>
-void delta_rows(const Problem& p, int64_t bh, float* delta) {
+void delta_rows(const Problem& p, int64_t bh, float* delta, double* sink) {
   using Acc = typename Elem<T>::Acc;
   const int64_t b = bh / p.H, h = bh % p.H;
   const T* ob = static_cast<const T*>(p.o_in) + b * p.os[0] + h * p.os[1];
@@ -16,6 +24,16 @@ void delta_rows(const Problem& p, int64_t bh, float* delta) {
     for (int64_t d = 0; d < p.D; ++d) s = madd(Acc(Elem<T>::load(orow + d)), Acc(Elem<T>::load(drow + d)), s);
     delta[bh * p.Sq + i] = float(s);
   }
+  if (p.sinks == nullptr) return;
+  const double sh = p.sinks[h];
+  double g = 0;
+  for (int64_t i = 0; i < p.Sq; ++i) {
+    const double lse = p.lse_in[bh * p.Sq + i];
+    if (lse == std::numeric_limits<double>::infinity()) continue;
+    const double ps = std::exp(sh - lse);
+    g -= ps * (1 - ps) * double(delta[bh * p.Sq + i]);
+  }
+  sink[bh] = g;
 }
 
 // dS^T = P^T * (dP^T * keep - delta) over key row r of a dQ tile (N query columns), P^T from the
@@ -55,11 +73,12 @@ DqRow<Acc> dq_row_for(bool full, bool drop) {
 // (the single pass: accumulators of this tile's kv head for keys jlo..jhi, row 0 = key jlo) it
 // visits only the key tiles in [jlo, jhi) and also adds P~^T dO into dV and dS^T Q into dK from
 // the same tiles; with `part` it leaves its unscaled partial dQ there (rows [bh, i0.., Dp]) for the
-// caller to sum over key chunks, instead of storing dQ.
+// caller to sum over key chunks, instead of storing dQ. With sinks it leaves its share of their
+// gradient, -sum_i P_sink_i rowsum_j dS_ij over its rows and keys, in p.sink_part (see delta_rows).
 template <class T>
 void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename Elem<T>::Acc>& w,
              typename Elem<T>::Acc* dK, typename Elem<T>::Acc* dV, int64_t jlo, int64_t jhi,
-             typename Elem<T>::Acc* part) {
+             typename Elem<T>::Acc* part, int64_t chunk) {
   using Acc = typename Elem<T>::Acc;
   const int64_t D = p.D, Dp = p.Dp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
   const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
@@ -85,6 +104,8 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
 
   std::memset(static_cast<void*>(dQ), 0, size_t(M * Dp) * sizeof(Acc));
   const bool any_row = query_cols(p, bh, i0, n, N, true, lo, hi, lse, delta);
+  Acc* dsum = w.rowv.data();  // with sinks: rowsum_j dS per query column
+  if (p.sinks != nullptr) std::fill(dsum, dsum + N, Acc(0));
   int64_t klo = p.Sk, khi = 0;
   for (int64_t c = 0; c < n; ++c)
     if (lo[c] < hi[c]) klo = std::min(klo, lo[c]), khi = std::max(khi, hi[c]);
@@ -132,6 +153,9 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     const DqRow<Acc> row = fused ? dq_row_for<true, Acc>(full, p.t16) : dq_row_for<false, Acc>(full, p.t16);
     for (int64_t r = 0; r < nk; ++r)
       row(St + r * N, dPt + r * N, N, j0 + r, padv[r] != 0, lo, hi, lse, delta, sscale, kbits + (r >> 3) * N, r & 7, ks);
+    if (p.sinks != nullptr)  // dS of the softmax's logits, before a soft cap's factor
+      for (int64_t r = 0; r < nk; ++r)
+        for (int64_t c = 0; c < N; ++c) dsum[c] += dPt[r * N + c];
     if (capped) scale_by(dPt, w.capf.data(), nk * N);  // dS by the scaled scores, for dQ and dK
     // the single pass: dV += P~^T dO and dK += dS^T Q over this tile's n queries. Rows nk..MK of
     // S^T and dP^T are products with the zero rows past nk: they add 0 into rows past the tile.
@@ -152,6 +176,13 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     } else {
       gemm<true>(dPt, N, Kn, Dp, M, Dp, nk, dQ, Dp, true);  // dQ += dS K, dS read from dS^T
     }
+  }
+  if (p.sinks != nullptr) {  // columns past n are never read: a full tile leaves garbage there
+    const double sh = p.sinks[h];
+    double g = 0;
+    for (int64_t c = 0; c < n; ++c)
+      if (lse[c] != std::numeric_limits<Acc>::infinity()) g -= std::exp(sh - double(lse[c])) * double(dsum[c]);
+    p.sink_part[(chunk * p.B * p.H + bh) * ((p.Sq + p.BM - 1) / p.BM) + t] = g;
   }
   if (part != nullptr) {
     std::memcpy(static_cast<void*>(part + (bh * p.Sq + i0) * Dp), dQ, size_t(n * Dp) * sizeof(Acc));
@@ -308,7 +339,7 @@ void dqkv_group(const Problem& p, int64_t b, int64_t kvh, int64_t c, Work<typena
   Acc* part = p.chunks > 1 ? static_cast<Acc*>(p.dq_part) + c * p.B * p.H * p.Sq * Dp : nullptr;
   const int64_t nqt = (p.Sq + p.BM - 1) / p.BM;
   for (int64_t g = 0; g < p.G; ++g)
-    for (int64_t t = 0; t < nqt; ++t) dq_tile<T>(p, b, kvh * p.G + g, t, w, dK, dV, jlo, jhi, part);
+    for (int64_t t = 0; t < nqt; ++t) dq_tile<T>(p, b, kvh * p.G + g, t, w, dK, dV, jlo, jhi, part, c);
   const Acc scale = Acc(p.scale);
   T* dkb = static_cast<T*>(p.dk) + ((b * p.Hkv + kvh) * p.Sk + jlo) * D;
   T* dvb = static_cast<T*>(p.dv) + ((b * p.Hkv + kvh) * p.Sk + jlo) * D;

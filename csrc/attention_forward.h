@@ -116,9 +116,17 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
       lse[i0 + r] = std::numeric_limits<float>::infinity();
       continue;
     }
-    const Acc inv = Acc(1) / l[r];
+    const Acc base = m[r] == neg_inf ? Acc(0) : m[r];
+    Acc inv = Acc(1) / l[r], top = base, sum = l[r];
+    if (p.sinks != nullptr) {  // the sink's exp(s_h) joins the denominator; measured from max(m, s_h)
+      const Acc s = Acc(p.sinks[h]);
+      top = __builtin_isgreater(s, base) ? s : base;
+      const Acc f = exp_nan(base - top);
+      sum = l[r] * f + exp_nan(s - top);
+      inv = f / sum;
+    }
     const Acc* acc = O + r * Dp;
     for (int64_t d = 0; d < D; ++d) Elem<T>::store(orow + d, acc[d] * inv);
-    lse[i0 + r] = float((m[r] == neg_inf ? Acc(0) : m[r]) + std::log(l[r]));
+    lse[i0 + r] = float(top + std::log(sum));
   }
 }

@@ -30,6 +30,9 @@ struct Problem {
   int64_t q_offset = 0;  // query row i stands at key position i + q_offset (a tile of a longer query)
   double scale;
   double softcap;  // 0 = none; else scores are softcap * tanh(scale * q.k / softcap)
+  const float* sinks = nullptr;  // [H] or null: a per-head logit in each row's softmax denominator
+  float* dsinks = nullptr;       // backward, with sinks: [H], summed over the batch
+  double* sink_part = nullptr;   // backward, with sinks: the dQ tiles' shares, [chunks, B * H, query tiles]
   PhiloxKey key{0};
   uint32_t t16;
   double keep_scale;

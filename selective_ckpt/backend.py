@@ -157,22 +157,26 @@ def _strides(t):
 
 
 def _cpp_attention_forward(q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks,
-                           q_offset=0):
-    """Blocked fp32 attention (csrc/attention.cpp): q, k, v, o by pointer and strides, any GQA group."""
+                           q_offset=0, sinks=None):
+    """Blocked fp32 attention (csrc/attention.cpp): q, k, v, o by pointer and strides, any GQA group;
+    sinks fp32 [H] contiguous or None."""
     sizes, problem = _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks,
                                             q_offset)
     _C.attention_forward(DTYPE_CODES[q.dtype], sizes, q.data_ptr(), _strides(q), k.data_ptr(), _strides(k),
-                         v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(), **problem)
+                         v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(), sinks=_pointer(sinks),
+                         **problem)
 
 
 def _cpp_attention_backward(do, q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks, dq,
-                            dk, dv, q_offset=0):
-    """dq, dk, dv (contiguous) from do (contiguous); delta = rowsum(dO * O) is taken inside."""
+                            dk, dv, q_offset=0, sinks=None, dsinks=None):
+    """dq, dk, dv (contiguous) from do (contiguous); delta = rowsum(dO * O) is taken inside. With sinks
+    (fp32 [H]) also dsinks (fp32 [H], summed over the batch)."""
     sizes, problem = _cpp_attention_problem(q, k, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks,
                                             q_offset)
     _C.attention_backward(DTYPE_CODES[q.dtype], sizes, do.data_ptr(), q.data_ptr(), _strides(q), k.data_ptr(),
                           _strides(k), v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(),
-                          dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), **problem)
+                          dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), sinks=_pointer(sinks),
+                          dsinks=_pointer(dsinks), **problem)
 
 
 _CPP_ADAPTERS = {

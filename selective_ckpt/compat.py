@@ -168,6 +168,12 @@ def is_expert_parallel(experts):
     return getattr(experts, "_is_expert_parallel", False)
 
 
+def expert_gate(experts):
+    """The experts class's own gating method, or None where transformers has none by that name."""
+    # transformers 5.25: GptOssExperts._apply_gate; gone: None
+    return getattr(type(experts), "_apply_gate", None)
+
+
 def has_own_expert_gating(experts):
     """Whether an experts module's class gates its experts' outputs its own way (not transformers' default)."""
     # transformers 5.17-5.25: experts class's _apply_gate vs integrations.moe._default_apply_gate; gone: False

@@ -97,6 +97,9 @@ SLOW = (
     "ops/test_attention_triton.py::test_sm90_tile_table_against_float64",
     "ops/test_attention_offset.py::test_triton_tiles_concatenate_to_the_untiled_call",
     "ops/test_attention_offset.py::test_opcheck_with_an_offset",
+    "ops/test_attention_sinks.py::test_triton_sinks_against_float64",
+    "ops/test_attention_sinks.py::test_opcheck_with_sinks",
+    "ops/test_attention_sinks.py::test_triton_sinks_with_the_sm90_tiles",
     # the benchmarks run as subprocesses, two-process training, whole layers on both backends
     "test_bench.py::test_attention_table_prints_every_grid_row",
     "test_bench.py::test_gpu_script_syntax_and_dry_run",

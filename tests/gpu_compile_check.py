@@ -184,9 +184,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def attention_launch(tk, dtype, D, causal=False, p=0.0, B=2, H=4, Hkv=None, S=512, Sk=None, window=0, docs=None,
-                     padded=False, packed=False, softcap=0.0, q_offset=0):
+                     padded=False, packed=False, softcap=0.0, q_offset=0, sinks=False):
     """Forward and backward through the Triton entry points with a real launch's tensors (with q_offset,
-    a query tile of S rows at key positions q_offset ... against Sk keys)."""
+    a query tile of S rows at key positions q_offset ... against Sk keys; sinks: fp32 [H] attention sinks)."""
     Hkv, Sk = Hkv or H, Sk or S
     if packed:
         qkv = torch.empty(B, S, 3, H, D, dtype=dtype)
@@ -204,9 +204,10 @@ def attention_launch(tk, dtype, D, causal=False, p=0.0, B=2, H=4, Hkv=None, S=51
     seed = torch.zeros(2, dtype=torch.int32) if p > 0 else None
     t16 = round(p * 65536)
     ks = 65536 / (65536 - t16)
-    tk.forward(q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed, t16, ks, q_offset)
+    sk = torch.empty(H, dtype=torch.float32) if sinks else None
+    tk.forward(q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed, t16, ks, q_offset, sk)
     tk.backward(torch.empty(B, H, S, D, dtype=dtype), q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed,
-                t16, ks, dq, dk, dv, q_offset)
+                t16, ks, dq, dk, dv, q_offset, sk, None if sk is None else torch.empty_like(sk))
 
 
 def exercise_attention():
@@ -227,12 +228,14 @@ def exercise_attention():
                     # query tiles of a decoder layer's rebuild: rows [s, e) against keys [0, e), q_offset = s
                     q_offset=dict(H=8, Hkv=2, S=100, Sk=612, q_offset=512, causal=True),
                     q_offset_varlen=dict(B=1, S=200, Sk=512, q_offset=312, docs=(100, 300, 112), causal=True,
-                                         window=128))
+                                         window=128),
+                    # gpt-oss: attention sinks on GQA sliding-window layers (forward, delta and dQ take them)
+                    sinks=dict(H=8, Hkv=2, causal=True, window=128, sinks=True))
     for D in (128, 64):
         for p in (0.0, 0.1):
             for case, kw in variants.items():
                 if D == 64 and case not in ("varlen", "window", "ragged", "gqa", "padded", "softcap", "softcap_lean",
-                                            "q_offset", "q_offset_varlen"):
+                                            "q_offset", "q_offset_varlen", "sinks"):
                     continue
                 kw = dict(kw)
                 causal = kw.pop("causal", False)

@@ -3,7 +3,7 @@ specialisation, compiles for sm_90 (Hopper) without a GPU (tests/gpu_compile_che
 configuration spills or has ptxas serialise its wgmma, none needs more shared memory than sm_90
 has, dropout's added main-loop cost stays bounded, and the attention matrix
 (fp16/bf16/fp32 x head dim 64/128/80 x causal x dropout, GQA, window, documents, soft-capping, query
-tiles with q_offset; head dim 256 at bf16) is covered."""
+tiles with q_offset, attention sinks; head dim 256 at bf16) is covered."""
 
 import json
 import os
@@ -71,6 +71,9 @@ def test_attention_matrix_is_covered_with_launch_alignment(records):
     for case in ("q_offset", "q_offset_varlen"):  # query tiles (rows at key positions q_offset ...)
         for kernel in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
             assert any(r["kernel"] == kernel and r.get("case") == case for r in att), (kernel, case)
+    for kernel in ("_fwd_kernel", "_bwd_dq_kernel"):  # attention sinks (gpt-oss); dK/dV takes nothing new
+        assert any(r["kernel"] == kernel and r.get("case") == "sinks" and r["constexprs"]["HAS_SINKS"]
+                   for r in att), kernel
     assert any(not r["constexprs"]["EVEN_M"] for r in att)
     # what a real launch specialises: 16-byte aligned tensors and strides reach the compiler
     fwd = next(r for r in att if r["kernel"] == "_fwd_kernel")

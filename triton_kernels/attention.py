@@ -114,44 +114,52 @@ def _common(q, k, key_padding_mask, cu_seqlens, window, seed, t16, q_offset):
 
 
 def forward(q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale,
-            q_offset=0):
+            q_offset=0, sinks=None):
     """o [B, H, Sq, D] (any strides, last dim contiguous), lse fp32 [B, H, Sq] contiguous. Query row i
-    stands at key position i + q_offset (masks and the dropout stream's row)."""
+    stands at key position i + q_offset (masks and the dropout stream's row). sinks: fp32 [H] or None;
+    with them lse includes the sink's logit."""
     B, H, Hkv, Sq, Sk, pad, n_docs, doc_bits, window, seed = _common(q, k, key_padding_mask, cu_seqlens, window,
                                                                     seed, t16, q_offset)
     if B * H * Sq == 0:
         return
     f = _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, "fwd")
     grid = (triton.cdiv(Sq, f["BLOCK_M"]) * B * H,)
-    _fwd_kernel[grid](q, k, v, o, lse, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(o),
+    _fwd_kernel[grid](q, k, v, o, lse, pad, cu_seqlens, seed, sinks, *_s3(q), *_s3(k), *_s3(v), *_s3(o),
                       H, H // Hkv, Sq, Sk, window, q_offset, n_docs, doc_bits, *_logit_factors(scale, softcap),
-                      t16, float(keep_scale), **f)
+                      t16, float(keep_scale), HAS_SINKS=sinks is not None, **f)
 
 
-def delta(o, do, out):
-    """out [B, H, Sq] fp32 contiguous = rowsum(dO * O) in fp32."""
+def delta(o, do, out, lse=None, sinks=None):
+    """out [B, H, Sq] fp32 contiguous = rowsum(dO * O) in fp32. With sinks (fp32 [H]) and the forward's
+    lse, returns the delta part of the sinks' gradient per program, [B, H, query blocks] (else None)."""
     B, H, Sq, D = o.shape
     block_d = max(16, triton.next_power_of_2(D))
     bm = 16 if INTERPRETED else max(1, min(128, 8192 // block_d))
-    _delta_kernel[(triton.cdiv(Sq, bm) * B * H,)](o, do, out, *_s3(o), *_s3(do), H, Sq, D=D, BLOCK_M=bm,
-                                                  BLOCK_D=block_d, num_warps=4)
-    return out
+    n_m = triton.cdiv(Sq, bm)
+    part = None if sinks is None else torch.empty(B, H, n_m, dtype=torch.float32, device=o.device)
+    _delta_kernel[(n_m * B * H,)](o, do, out, lse, sinks, part, *_s3(o), *_s3(do), H, Sq, D=D, BLOCK_M=bm,
+                                  BLOCK_D=block_d, HAS_SINKS=sinks is not None, num_warps=4)
+    return part
 
 
 def backward(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale,
-             dq, dk, dv, q_offset=0):
-    """dq, dk, dv: outputs shaped like q, k, v (any strides with the last dim contiguous)."""
+             dq, dk, dv, q_offset=0, sinks=None, dsinks=None):
+    """dq, dk, dv: outputs shaped like q, k, v (any strides with the last dim contiguous); with sinks
+    (fp32 [H]) also dsinks (fp32 [H]). P is rebuilt from lse, which includes the sinks: dS is as without."""
     B, H, Sq = q.shape[:3]
     if B * H == 0:
         return
     if Sq == 0 or k.shape[2] == 0:  # nothing attends: zero gradients
-        for t in (dq, dk, dv):
+        for t in (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks):
             t.zero_()
         return
-    dl = delta(o, do, torch.empty(B, H, Sq, dtype=torch.float32, device=q.device))
+    dl = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    delta_part = delta(o, do, dl, lse, sinks)
     args = (do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale)
     backward_dkdv(*args, dk, dv, q_offset)
-    backward_dq(*args, dq, q_offset)
+    dq_part = backward_dq(*args, dq, q_offset, sinks)
+    if sinks is not None:  # the per-program shares summed in a fixed order (no atomics)
+        torch.add(delta_part.sum((0, 2)), dq_part.sum((0, 2)), out=dsinks)
 
 
 def _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale, kernel,
@@ -175,9 +183,14 @@ def backward_dkdv(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, wi
 
 
 def backward_dq(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16,
-                keep_scale, dq, q_offset=0):
-    """dQ given delta dl [B, H, Sq] fp32."""
+                keep_scale, dq, q_offset=0, sinks=None):
+    """dQ given delta dl [B, H, Sq] fp32. With sinks (fp32 [H]) returns the dS part of their gradient per
+    program, [B, H, query blocks] (else None)."""
     B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale,
                                                       softcap, seed, t16, keep_scale, "dq", q_offset)
-    _bwd_dq_kernel[(triton.cdiv(Sq, f["BLOCK_M"]) * B * H,)](
-        q, k, v, do, lse, dl, dq, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dq), *tail, **f)
+    n_m = triton.cdiv(Sq, f["BLOCK_M"])
+    part = None if sinks is None else torch.empty(B, H, n_m, dtype=torch.float32, device=q.device)
+    _bwd_dq_kernel[(n_m * B * H,)](
+        q, k, v, do, lse, dl, dq, pad, cu_seqlens, seed, sinks, part, *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dq),
+        *tail, HAS_SINKS=sinks is not None, **f)
+    return part

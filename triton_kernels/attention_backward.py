@@ -180,12 +180,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows, ds, de, pad_base,
+def _dq_blocks(dq, dsum, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows, ds, de, pad_base,
                Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult, tanh_in,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr,
-               SOFTCAP: tl.constexpr):
+               SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     EVEN_D: tl.constexpr = BLOCK_D == D
     CHECK: tl.constexpr = MASKED and not EVEN_N
     dims = tl.arange(0, BLOCK_D)
@@ -212,20 +212,22 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_hi, r0,
             words = attention_keep_words(k0, k1, r0, start, bh, BLOCK_M, BLOCK_N)
             dp = apply_keep(dp, words, t16) * keep_scale
         ds_ = p * (dp - delta[:, None])
+        if HAS_SINKS:  # the rows' dS sums, for the sinks' gradient (see _delta_kernel)
+            dsum += tl.sum(ds_, 1)
         if SOFTCAP:
             ds_ = ds_ * (1.0 - t * t)
         dq += _dot(to_storage(ds_, kb.dtype), kb, IEEE)
-    return dq
+    return dq, dsum
 
 
 @triton.jit(do_not_specialize=["window", "q_offset", "n_docs", "doc_bits", "t16"])
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED, SINKS, DSINK,
                    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
                    H, G, Sq, Sk, window, q_offset, n_docs, doc_bits, scale, logit_mult, tanh_in, t16, keep_scale,
                    D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                    HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                   SOFTCAP: tl.constexpr):
+                   SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr = False):
     EVEN_D: tl.constexpr = BLOCK_D == D
     bh, b, h, kvh, r0, r1, rows = _query_block(Sq, H, G, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -244,17 +246,21 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED,
         Sk, window, n_docs, doc_bits, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dsum = tl.zeros([BLOCK_M], tl.float32)  # with sinks: rowsum of dS (unused and folded away without)
     args = (q, do, lse2, delta, k_base, v_base, skn, svn)
     rest = (r0 + q_offset, rows + q_offset, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult,
             tanh_in)
     if CAUSAL or WINDOW or VARLEN or not EVEN_N:
-        dq = _dq_blocks(dq, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
-        dq = _dq_blocks(dq, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
-        dq = _dq_blocks(dq, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
+        dq, dsum = _dq_blocks(dq, dsum, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS)
+        dq, dsum = _dq_blocks(dq, dsum, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS)
+        dq, dsum = _dq_blocks(dq, dsum, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS)
     else:
-        dq = _dq_blocks(dq, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
+        dq, dsum = _dq_blocks(dq, dsum, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS)
     _store_rows(DQ + b * sdqb + h * sdqh, rows, sdqm, Sq, dims, dq * scale, D, not EVEN_M, EVEN_D)
+    if HAS_SINKS:  # this block's share of the sinks' gradient, -sum_i P_sink_i rowsum_j dS_ij (rows past Sq: 0)
+        p_sink = tl.exp2(tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634 - lse2)
+        tl.store(DSINK + tl.program_id(0), -tl.sum(p_sink * dsum, 0))

@@ -53,12 +53,12 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
 
 
 @triton.jit(do_not_specialize=["window", "q_offset", "n_docs", "doc_bits", "t16"])
-def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, SINKS, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                 H, G, Sq, Sk, window, q_offset, n_docs, doc_bits, logit_mult, tanh_in, t16, keep_scale,
                 D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                 HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr = False):
     EVEN_D: tl.constexpr = BLOCK_D == D
     bh, b, h, kvh, r0, r1, rows = _query_block(Sq, H, G, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -85,11 +85,20 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, 
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
                                     DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
     empty = l_i == 0.0
-    inv = 1.0 / tl.where(empty, 1.0, l_i)
+    l_safe = tl.where(empty, 1.0, l_i)
+    if HAS_SINKS:  # the sink's 2^s2 joins the denominator, measured from max(m, s2) (m is finite where l > 0)
+        s2 = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        top = tl.where(empty, 0.0, tl.maximum(m_i, s2))
+        f = tl.exp2(tl.where(empty, 0.0, m_i) - top)
+        l_safe = tl.where(empty, 1.0, l_i * f + tl.exp2(s2 - top))
+        inv = f / l_safe
+    else:
+        top = m_i
+        inv = 1.0 / l_safe
     if DROPOUT:
         inv = inv * keep_scale
     o = acc * inv[:, None]
-    lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = tl.where(empty, float("inf"), (top + tl.log2(l_safe)) * 0.6931471805599453)
     _store_rows(OUT + b * sob + h * soh, rows, som, Sq, dims, o, D, not EVEN_M, EVEN_D)
     lse_ptr = LSE + bh.to(tl.int64) * Sq + rows
     if EVEN_M:
@@ -99,9 +108,13 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, sqb, sqh, sqm, skb, skh, skn, 
 
 
 @triton.jit
-def _delta_kernel(OUT, DO, DELTA, sob, soh, som, sdb, sdh, sdm, H, Sq, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """delta[b, h, i] = sum_d dO * O in fp32 (equal to sum_j P_ij dP_ij, dropout included)."""
+def _delta_kernel(OUT, DO, DELTA, LSE, SINKS, DSINK, sob, soh, som, sdb, sdh, sdm, H, Sq, D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr = False):
+    """delta[b, h, i] = sum_d dO * O in fp32 (equal to sum_j P_ij dP_ij, dropout included). With sinks
+    also DSINK[program] = -sum over its rows of P_sink (1 - P_sink) delta, P_sink = exp(s_h - lse): the
+    delta part of the sinks' gradient -sum_i P_sink_i D_i, D_i taken as rowsum_j dS_ij + delta_i (1 - P_sink_i)
+    (the dQ kernel adds the dS part), since delta from O rounded to the input dtype is D only to that
+    rounding. Empty rows (lse = +inf) add 0."""
     n_m = tl.cdiv(Sq, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // n_m
@@ -111,4 +124,9 @@ def _delta_kernel(OUT, DO, DELTA, sob, soh, som, sdb, sdh, sdm, H, Sq, D: tl.con
     dims = tl.arange(0, BLOCK_D)
     o = _load_rows(OUT + b * sob + h * soh, rows, som, Sq, dims, D, True, BLOCK_D == D).to(tl.float32)
     do = _load_rows(DO + b * sdb + h * sdh, rows, sdm, Sq, dims, D, True, BLOCK_D == D).to(tl.float32)
-    tl.store(DELTA + bh.to(tl.int64) * Sq + rows, tl.sum(o * do, 1), mask=rows < Sq)
+    delta = tl.sum(o * do, 1)
+    tl.store(DELTA + bh.to(tl.int64) * Sq + rows, delta, mask=rows < Sq)
+    if HAS_SINKS:
+        lse = tl.load(LSE + bh.to(tl.int64) * Sq + rows, mask=rows < Sq, other=float("inf"))
+        p_sink = tl.exp(tl.load(SINKS + h).to(tl.float32) - lse)
+        tl.store(DSINK + pid, -tl.sum(tl.where(rows < Sq, p_sink * (1.0 - p_sink) * delta, 0.0), 0))

@@ -258,6 +258,9 @@ class MoE:
     norm_topk_prob: bool = True
     shared_dim: int = 0
     shared_gate: bool = True  # the shared expert is scaled by a sigmoid gate (Qwen2-MoE); False: added as is (GLM-4.5)
+    # "softmax_topk": the softmax over all experts, then top-k of it (keeps the fp32 softmax); "topk_softmax"
+    # (gpt-oss): top-k of the logits, then a softmax over those k, whose output (the routing weights) is all it keeps
+    router: str = "softmax_topk"
 
     def __post_init__(self):
         check_positive_int(self.num_experts, "num_experts")
@@ -267,6 +270,8 @@ class MoE:
             raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
         if self.weights_dtype is not None:
             as_dtype(self.weights_dtype, "weights_dtype")
+        if self.router not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"router must be 'softmax_topk' or 'topk_softmax', got {self.router!r}")
         if not isinstance(self.shared_dim, int) or self.shared_dim < 0:
             raise ValueError(f"shared_dim must be an int >= 0, got {self.shared_dim!r}")
 
@@ -277,6 +282,8 @@ class MoE:
         ew = size if self.weights_dtype is None else _size(as_dtype(self.weights_dtype))
         parts = {"expert_gate_up": t * k * 2 * self.expert_dim * mlp_size, "router_probs": t * self.num_experts * 4,
                  "router_indices": t * k * 8, "routing_weights": t * k * ew}
+        if self.router == "topk_softmax":
+            del parts["router_probs"]
         if self.norm_topk_prob:  # the in-place division keeps its divisor and a copy of the top-k values
             parts.update(router_topk_sum=t * 4, router_topk_copy=t * k * 4)
         if self.shared_dim:

@@ -1,7 +1,9 @@
 """The "selective_ckpt" entry of transformers' attention-function registry.
 
 Converted models run attention through `selective_ckpt.attention`: causal, key padding, grouped
-k/v (never expanded), Mistral/Qwen sliding windows, attention dropout by seed and packed documents.
+k/v (never expanded), Mistral/Qwen sliding windows, attention dropout by seed, packed documents and
+gpt-oss's attention sinks (the `s_aux` the attention module passes, a per-head logit in the softmax
+denominator).
 The mask Hugging Face builds for it is its SDPA mask (a [B, 1, S, S] bool mask, or None for plain
 causal); `describe_mask` turns it into key padding or document offsets and checks that this
 reproduces the mask exactly, never taking anything else for padding.
@@ -309,10 +311,16 @@ def _family_eager(module, name, query, key, value, attention_mask, dropout, scal
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def _sinks(kwargs):
+    """The attention sinks a family passes (gpt-oss: s_aux, the module's sinks parameter), or None."""
+    sinks = kwargs.get("s_aux")
+    return kwargs.get("sinks") if sinks is None else sinks
+
+
 def _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
-    """transformers' SDPA attention for the calls our kernels leave to it; soft-capped scores (which SDPA
-    refuses) go to the family's eager attention instead, which caps them as the model defines."""
-    if kwargs.get("softcap") is not None:
+    """transformers' SDPA attention for the calls our kernels leave to it; soft-capped scores and attention
+    sinks (which SDPA does not take) go to the family's eager attention instead, as the model defines them."""
+    if kwargs.get("softcap") is not None or _sinks(kwargs) is not None:
         name = f"{type(module).__name__} (selective_ckpt attention)"
         return _family_eager(module, name, query, key, value, attention_mask, dropout, scaling, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -417,9 +425,8 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     """transformers attention function: (o [B, S, H, D], weights or None). query [B, H, Sq, D], key/value [B, Hkv,
     Sk, D]. Weights come back only from a call that asks for them (computed by transformers' eager attention)."""
     name = f"{type(module).__name__} (selective_ckpt attention)"
-    for unsupported in ("position_bias", "s_aux", "sinks"):
-        if kwargs.get(unsupported) is not None:
-            raise ConversionError(f"{name}: {unsupported} is not supported by selective_ckpt.attention")
+    if kwargs.get("position_bias") is not None:
+        raise ConversionError(f"{name}: position_bias is not supported by selective_ckpt.attention")
     tile = layer_tiles.current()
     if tile is not None:
         return _tile_attention(module, name, tile, query, key, value, attention_mask, dropout, scaling, is_causal,
@@ -459,11 +466,13 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     dtype = _compute_dtype(query)
     query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype))
     seed = rng.draw_seed_tensor(query.device) if dropout > 0 else None
+    sinks = _sinks(kwargs)
     o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu,
-                  softcap=kwargs.get("softcap"))
-    if pad is not None and reference_attention(module).startswith("eager"):
+                  softcap=kwargs.get("softcap"), sinks=sinks)
+    if pad is not None and sinks is None and reference_attention(module).startswith("eager"):
         # rows with nothing to attend give 0 in our kernel; the unconverted model's eager attention gives them
-        # a uniform softmax over all keys, and its first real token's prediction reads such a row
+        # a uniform softmax over all keys, and its first real token's prediction reads such a row (with sinks the
+        # sink takes all of such a row's mass in eager too: 0 there as well)
         dead = rows_attending_nothing(pad, window)
         if bool(dead.any()):
             o = _as_eager_on_rows_attending_nothing(o, query, key, value, dead, scaling, kwargs.get("softcap"))
@@ -506,8 +515,10 @@ def _tile_attention(module, name, tile, query, key, value, attention_mask, dropo
             raise ConversionError(f"{name}: cu_seq_lens_q cannot be combined with padding")
         cu = cu_kw
     end = tile.end
+    sinks = _sinks(kwargs)
     if pad is not None:
-        if reference_attention(module).startswith("eager") and bool(rows_attending_nothing(pad, window).any()):
+        if (sinks is None and reference_attention(module).startswith("eager")
+                and bool(rows_attending_nothing(pad, window).any())):
             raise ValueError(f"{name}: this padded batch has rows that attend nothing, which the unconverted model's "
                              "eager attention fills with the mean of v; layer_tiles does not reproduce that (pad on "
                              "the right, or use a policy without layer_tiles)")
@@ -516,5 +527,6 @@ def _tile_attention(module, name, tile, query, key, value, attention_mask, dropo
         cu = _documents_before(cu, end)
     seed = tile.attention_seed(lambda: rng.draw_seed_tensor(query.device)) if dropout > 0 else None
     o = attention(query.to(dtype), tile.keys, tile.values, True, float(dropout), scaling, pad, seed,
-                  sliding_window=window, cu_seqlens=cu, softcap=kwargs.get("softcap"), q_offset=tile.start)
+                  sliding_window=window, cu_seqlens=cu, softcap=kwargs.get("softcap"), q_offset=tile.start,
+                  sinks=sinks)
     return o.transpose(1, 2), None

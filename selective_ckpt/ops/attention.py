@@ -4,7 +4,9 @@ Neither forward nor backward stores anything of size Sq x Sk: backward rebuilds 
 the logsumexp and the dropout mask from the seed (docs/kernels/attention.md and
 docs/kernels/dropout.md). The forward op returns o, a [B, H, Sq, D] view of a contiguous [B, Sq, H, D]
 buffer, and the row logsumexp (fp32 [B, H, Sq], +inf where a row attends nothing). k and v may have
-fewer heads than q (grouped-query attention); they are never expanded.
+fewer heads than q (grouped-query attention); they are never expanded. Optional attention sinks (a
+per-head logit in the softmax denominator) enter the logsumexp, so backward rebuilds the sink-normalised
+softmax from it as before and adds the sinks' gradient from the delta pre-pass.
 """
 
 import math
@@ -38,9 +40,11 @@ def heads_view(o):
 def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
                      cu_seqlens: Optional[torch.Tensor], causal: bool, sliding_window: int, dropout_p: float,
                      softmax_scale: float, seed: Optional[torch.Tensor],
-                     softcap: float = 0.0, q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     softcap: float = 0.0, q_offset: int = 0,
+                     sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
-    kernel = attention_dispatch.choose_for(q, k, mask, cu_seqlens, causal, sliding_window, dropout_p, softcap, q_offset)
+    kernel = attention_dispatch.choose_for(q, k, mask, cu_seqlens, causal, sliding_window, dropout_p, softcap, q_offset,
+                                           extra=sinks is not None)
     if kernel != attention_dispatch.OURS:  # PyTorch's kernel: the same o and lse (attention_dispatch)
         return attention_dispatch.forward(kernel, q, k, v, mask, cu_seqlens, causal, sliding_window, softmax_scale,
                                           q_offset)
@@ -50,13 +54,18 @@ def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
     t16, ks = rng.kernel_constants(dropout_p)
     if o.numel():  # an empty batch or query length has nothing to compute
         backend.call("attention", "forward", q, k, v, heads_view(o), lse, mask, cu_seqlens, causal, sliding_window,
-                     softmax_scale, softcap, seed, t16, ks, q_offset)
+                     softmax_scale, softcap, seed, t16, ks, q_offset, _sinks32(sinks))
     return o, lse
+
+
+def _sinks32(sinks):
+    """The kernels' sinks: fp32 [H] contiguous (no copy when they are), or None."""
+    return None if sinks is None else sinks.to(torch.float32).contiguous()
 
 
 @attention_fwd_op.register_fake
 def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed, softcap=0.0,
-      q_offset=0):
+      q_offset=0, sinks=None):
     B, H, Sq, _ = q.shape
     return _output(q), q.new_empty(B, H, Sq, dtype=torch.float32)
 
@@ -65,46 +74,57 @@ def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, 
 def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                      lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                      causal: bool, sliding_window: int, dropout_p: float, softmax_scale: float,
-                     seed: Optional[torch.Tensor], softcap: float = 0.0,
-                     q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     seed: Optional[torch.Tensor], softcap: float = 0.0, q_offset: int = 0,
+                     sinks: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and the sinks' gradient: fp32 [H] summed over the batch with sinks, else an empty [0]."""
     do = do.contiguous()  # a grad from .sum().backward() has stride 0
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
-    kernel = attention_dispatch.choose_for(q, k, mask, cu_seqlens, causal, sliding_window, dropout_p, softcap, q_offset)
+    kernel = attention_dispatch.choose_for(q, k, mask, cu_seqlens, causal, sliding_window, dropout_p, softcap, q_offset,
+                                           extra=sinks is not None)
     if kernel != attention_dispatch.OURS:  # the backward of the kernel that ran forward (the same choice)
-        return attention_dispatch.backward(kernel, do, q, k, v, o, lse, mask, cu_seqlens, causal, sliding_window,
-                                           softmax_scale, q_offset)
+        return (*attention_dispatch.backward(kernel, do, q, k, v, o, lse, mask, cu_seqlens, causal, sliding_window,
+                                             softmax_scale, q_offset), _dsinks(q, None))
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dsinks = _dsinks(q, sinks)
     t16, ks = rng.kernel_constants(dropout_p)
     if not do.numel():
-        return dq, dk.zero_(), dv.zero_()
+        return dq, dk.zero_(), dv.zero_(), dsinks.zero_()
     backend.call("attention", "backward", do, q, k, v, o, lse.contiguous(), mask, cu_seqlens, causal, sliding_window,
-                 softmax_scale, softcap, seed, t16, ks, dq, dk, dv, q_offset)
-    return dq, dk, dv
+                 softmax_scale, softcap, seed, t16, ks, dq, dk, dv, q_offset, _sinks32(sinks),
+                 None if sinks is None else dsinks)
+    return dq, dk, dv, dsinks
+
+
+def _dsinks(q, sinks):
+    return torch.empty(0 if sinks is None else q.shape[1], dtype=torch.float32, device=q.device)
 
 
 @attention_bwd_op.register_fake
 def _(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed,
-      softcap=0.0, q_offset=0):
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+      softcap=0.0, q_offset=0, sinks=None):
+    return (*(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), _dsinks(q, sinks))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, mask, cu_seqlens, ctx.causal, ctx.window, ctx.dropout_p, ctx.softmax_scale, seed, ctx.softcap,
-     ctx.q_offset) = inputs
+     ctx.q_offset, sinks) = inputs
     o, lse = output
     for t in (q, k, v):
         pipeline.tag(t, "qkv")
     pipeline.tag(o, "attention")
     pipeline.tag(lse, "attention")
-    ctx.save_for_backward(q, k, v, o, lse, mask, cu_seqlens, seed)
+    ctx.save_for_backward(q, k, v, o, lse, mask, cu_seqlens, seed, sinks)
 
 
 @first_order_only("selective_ckpt.attention")
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, mask, cu_seqlens, seed = ctx.saved_tensors
-    dq, dk, dv = attention_bwd_op(heads_view(do), q, k, v, heads_view(o), lse, mask, cu_seqlens, ctx.causal,
-                                  ctx.window, ctx.dropout_p, ctx.softmax_scale, seed, ctx.softcap, ctx.q_offset)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    q, k, v, o, lse, mask, cu_seqlens, seed, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = attention_bwd_op(heads_view(do), q, k, v, heads_view(o), lse, mask, cu_seqlens, ctx.causal,
+                                          ctx.window, ctx.dropout_p, ctx.softmax_scale, seed, ctx.softcap,
+                                          ctx.q_offset, sinks)
+    dsinks = None if sinks is None else dsinks.to(sinks.dtype)  # summed in fp32, handed back in the sinks' dtype
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -237,8 +257,25 @@ def check_softcap(softcap, name="softcap"):
     return float(softcap)
 
 
+def check_sinks(sinks, q, name="sinks"):
+    """sinks as the op takes them: None, or a floating-point tensor [H] on q's device."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor [H] (one logit per query head) or None, got "
+                        f"{type(sinks).__name__}")
+    if not sinks.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {sinks.dtype}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"{name} must have shape [H={q.shape[1]}] (one logit per query head), got "
+                         f"{list(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}, got {sinks.device}")
+    return sinks
+
+
 def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padding_mask=None, seed=None, *,
-              sliding_window=None, cu_seqlens=None, softcap=None, q_offset=0):
+              sliding_window=None, cu_seqlens=None, softcap=None, q_offset=0, sinks=None):
     """softmax(q k^T * softmax_scale + masks), dropped out, times v: o [B, H, Sq, D].
 
     q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H % Hkv == 0 (query head h reads kv head
@@ -258,6 +295,9 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     documents and the dropout mask are those of row i + s of the whole problem, so query tiles
     q[:, :, s:e] against k[:, :, :e], v[:, :, :e] with q_offset=s reproduce rows s..e-1 of one call
     (outputs row for row, bit for bit on the C++ kernels; dK and dV as the tiles' shares of a sum).
+    `sinks` [H] (gpt-oss's attention sinks; any float dtype, used in fp32) adds exp(sinks[h]) to the
+    softmax denominator of every row of head h, a logit with no value: rows sum to less than 1, and a
+    row with nothing to attend still gives 0. Its gradient is summed in fp32 over batch and rows.
     """
     _check_qkv(q, k, v)
     check_bool(causal, "causal")
@@ -268,6 +308,8 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     cu_seqlens = _check_cu_seqlens(cu_seqlens, q, k, mask, offset)
     scale = _check_scale(softmax_scale, q.shape[-1])
     cap = check_softcap(softcap)
+    sinks = check_sinks(sinks, q)
     seed = rng.site_seed(dropout_p, seed, q.device)
-    o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed, cap, offset)
+    o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed, cap, offset,
+                            sinks)
     return heads_view(o)

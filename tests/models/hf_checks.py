@@ -45,15 +45,23 @@ def _capped_reference(module, query, key, value, attention_mask, dropout=0.0, sc
     return (probs @ v).transpose(1, 2).contiguous(), None
 
 
+SINK_FAMILIES = ("gpt_oss",)  # attention sinks, which transformers' SDPA attention leaves out
+
+
 def unconverted_attention(config):
     """The attention an unconverted test model runs: SDPA, or transformers' eager one for soft-capped scores
-    (which SDPA refuses)."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+    (which SDPA refuses) and attention sinks (which SDPA leaves out)."""
+    if getattr(config, "attn_logit_softcapping", None) is not None or config.model_type in SINK_FAMILIES:
+        return "eager"
+    return "sdpa"
 
 
 def reference_attention(config):
-    """The attention of a float64 reference: SDPA's math path, or _capped_reference for soft-capped scores
-    (transformers' eager masks give NaN in float64)."""
+    """The attention of a float64 reference: SDPA's math path, _capped_reference for soft-capped scores
+    (transformers' eager masks give NaN in float64), the family's eager attention with sinks (finite in float64:
+    the sink's logit is every row's finite maximum at worst)."""
+    if config.model_type in SINK_FAMILIES:
+        return "eager"
     return _reference_attention() if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
 
 

@@ -27,6 +27,12 @@ GLM4_MOE = {**_BASE, "head_dim": 16, "intermediate_size": 80, "moe_intermediate_
             "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 2,
             "topk_group": 1, "routed_scaling_factor": 2.5}
 
+# gpt-oss's own layer pattern (sliding, then full), a window shorter than the sequence; its default yarn RoPE;
+# q/k/v/o biases and the attention sinks as gpt-oss has them. The shared window check compares bits past the
+# window, which routing changes in other rows' expert matmuls move: tests/models/test_hf_gpt_oss.py checks it
+GPT_OSS = {**_BASE, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "sliding_window": 5}
+
 FAMILIES = [
     Family("mixtral", transformers.MixtralConfig, transformers.MixtralForCausalLM, MIXTRAL,
            packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
@@ -43,4 +49,13 @@ FAMILIES = [
            packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
            variants=(("qk-norms", dict(use_qk_norm=True)),),
            skip={"aux_loss": "Glm4MoeForCausalLM computes no load-balancing loss"}),
+    # the clamped SwiGLU's limit inside the tiny model's range (its default 7 is never reached there)
+    Family("gpt_oss", transformers.GptOssConfig, transformers.GptOssForCausalLM, GPT_OSS,
+           packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
+           heads=(transformers.GptOssForSequenceClassification, transformers.GptOssForTokenClassification),
+           variants=(("clamped", dict(swiglu_limit=0.05)),), dropout=dict(attention_dropout=0.1),
+           skip={"fit": "the fit's simulated step runs transformers' eager experts of the concatenated, untransposed "
+                        "layout; gpt-oss's are interleaved, transposed and biased",
+                 "packed": "transformers' own gpt-oss does not keep documents packed by position_ids apart (its "
+                           "masks ignore them), so neither does the converted model"}),
 ]
