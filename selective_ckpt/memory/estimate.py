@@ -68,7 +68,8 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     and 2 of x1, when the residual stream has another dtype: fp32 weights under autocast); no norm output is
     consumed by a saving op, so "none" adds only the product. `qk_norm="projection"` (q/k RMSNorm over the
     whole q_proj / k_proj output) keeps those outputs, t*(H*D + Hkv*D)*e, besides q and k after RoPE.
-    `norm_stats=False`: the norms keep no rstd (norms that run their own forward again in backward).
+    `norm_stats=False`: the norms keep no rstd (norms that run their own forward again in backward), the q/k norms
+    and post-norms included.
     `scalar_multipliers`: products by a Python float keeping it as a 0-dim float64 tensor, 8 bytes each.
 
     `qk_norm=True` (Qwen3, Gemma3: an RMSNorm per head on q and k before RoPE): each norm keeps its
@@ -160,8 +161,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
             if moe is None:
                 parts["product" if gated else "gelu_out"] = t * ffn * e
         if qk_norm is True and mixer is None:
-            parts.update(qk_norm_in=t * (num_heads + kv_heads) * head_dim * e,
-                         qk_norm_stats=t * (num_heads + kv_heads) * acc)
+            parts["qk_norm_in"] = t * (num_heads + kv_heads) * head_dim * e
+            if norm_stats:
+                parts["qk_norm_stats"] = t * (num_heads + kv_heads) * acc
         if attn_gate and mixer is None:
             if qk_norm is True:
                 parts["qk_norm_in"] += t * num_heads * head_dim * e
@@ -176,7 +178,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
             if recompute == "none":
                 parts["qk_norm_out"] = t * (num_heads + kv_heads) * head_dim * eq
         if post_norms:
-            parts.update(attn_out=t * h * e, mlp_out=t * h * em, post_norm_stats=2 * t * acc)
+            parts.update(attn_out=t * h * e, mlp_out=t * h * em)
+            if norm_stats:
+                parts["post_norm_stats"] = 2 * t * acc
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
         sites = (attn_dropout > 0) + 2 * (dropout > 0)
