@@ -25,6 +25,11 @@ _KINDS = (("full_attention", dict(full_attention_interval=1)), ("linear_attentio
 QWEN3_NEXT = {**_HYBRID, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
               "shared_expert_intermediate_size": 48, "experts_implementation": "eager", "norm_topk_prob": True}
 
+# 4 experts: with 6, one token's two best router scores tie within bf16 rounding in this initialisation, and
+# any difference in rounding (converted or not) routes it to another expert (top-k is discontinuous)
+QWEN3_5_MOE = {**_HYBRID, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 48, "experts_implementation": "eager"}
+
 FAMILIES = [
     Family("qwen3_next", transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, QWEN3_NEXT, packed=False,
            lora_targets=("q_proj", "v_proj", "o_proj", "out_proj", "shared_expert_gate"), layer_kinds=_KINDS,
@@ -32,4 +37,8 @@ FAMILIES = [
     # a dense gated MLP in every layer
     Family("qwen3_5_text", transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, _HYBRID, packed=False,
            lora_targets=("q_proj", "v_proj", "out_proj", "down_proj"), layer_kinds=_KINDS),
+    # a sparse block in every layer; PEFT takes down_proj for the experts' fused parameters
+    Family("qwen3_5_moe_text", transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, QWEN3_5_MOE,
+           packed=False, lora_targets=("q_proj", "v_proj", "o_proj", "out_proj", "shared_expert_gate"),
+           layer_kinds=_KINDS),
 ]
