@@ -79,6 +79,7 @@ SLOW = (
     # (models/hybrid.py), whose family checks run in the fast tier; theirs, and each layer kind's printed bytes, here
     "models/test_hf_families.py::*[[]qwen3_5*",
     "models/test_hf_hybrid.py::test_kept_bytes_per_layer_kind",
+    "models/test_hf_hybrid.py::test_packed_documents_as_transformers_packs_them",
     "models/test_hf_activations.py::test_forward_hook_on_the_activation_is_called",
     "models/test_hf_gemma.py::test_final_logit_soft_capping_through_the_loss_head",
     "models/test_hf_llama.py::test_layer_keeps_the_floor",

@@ -113,3 +113,25 @@ def test_refused_before_anything_changes():
     ours = convert(copy.deepcopy(model))
     with pytest.raises(ValueError, match="recurrent"):
         set_recompute(ours, keeping.policy("full", layer_tiles=2))
+
+
+def test_packed_documents_as_transformers_packs_them():
+    """position_ids restarting per document, no attention_mask: the full-attention layers keep documents apart
+    (checked alone), and the hybrid follows the float64 reference, whose DeltaNet (transformers' torch fallback)
+    runs its recurrence across document starts, converted or not."""
+    family = FAMILY["qwen3_next"]
+    ids, _ = hf_checks.batch(b=1, s=23)
+    pos = torch.tensor([list(range(9)) + list(range(5)) + list(range(9))])
+    packed = dict(input_ids=ids, position_ids=pos, use_cache=False)
+    ref, plain, ours = hf_checks.triple(family.build())
+    hf_checks.assert_matches_reference(ref, plain, ours, **packed)
+    ref, plain, ours = hf_checks.triple(family.build(full_attention_interval=1))
+    hf_checks.assert_matches_reference(ref, plain, ours, **packed)
+    other = ids.clone()
+    other[:, :9] = (other[:, :9] + 1) % hf_checks.VOCAB
+    with torch.no_grad():
+        whole = ours(**packed).logits
+        changed = ours(input_ids=other, position_ids=pos, use_cache=False).logits
+    # within rounding: the experts' matmuls take other row counts when the first document changes
+    torch.testing.assert_close(whole[:, 9:], changed[:, 9:], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(whole[:, :9], changed[:, :9], rtol=1e-3, atol=1e-3)

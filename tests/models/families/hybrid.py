@@ -3,9 +3,10 @@ linear-attention layers whose Gated DeltaNet stays transformers' own (its torch 
 causal-conv1d kernels on CPU), by config.layer_types.
 
 The tiny configs alternate the two kinds (full_attention_interval=2: linear, full, linear, full); each kind is
-also measured alone (layer_kinds). Packed documents are not checked: transformers' torch fallback of the gated
+also measured alone (layer_kinds). The shared packed check is not run: transformers' torch fallback of the gated
 delta rule ignores document boundaries (its cu_seqlens), so the unconverted model's linear-attention layers carry
-state from one document into the next.
+state from one document into the next; tests/models/test_hf_hybrid.py checks packed documents as transformers
+packs them (the hybrid against float64, its full-attention layers keeping documents apart).
 """
 
 import pytest
