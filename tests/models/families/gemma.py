@@ -35,3 +35,38 @@ FAMILIES += [
                                              "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
            heads=(transformers.Gemma3TextForSequenceClassification,)),
 ]
+
+
+def _gemma4_config(**kw):
+    """Gemma4TextConfig whose layers alternate sliding and full attention ending in a full one (transformers forces
+    the last layer full), for any layer count; `layer_types` given as a one-kind tuple makes every layer that kind.
+    sliding_window=None (the fit's tests: no window) makes every layer full attention: a Gemma 4 sliding layer
+    always has a window."""
+    n = kw["num_hidden_layers"]
+    kinds = kw.pop("layer_types", None)
+    if "sliding_window" in kw and kw["sliding_window"] is None:
+        del kw["sliding_window"]
+        kinds = ("full_attention",)
+    if kinds is None:
+        kinds = ["full_attention" if (n - 1 - i) % 2 == 0 else "sliding_attention" for i in range(n)]
+    return transformers.Gemma4TextConfig(**kw, layer_types=[kinds[i % len(kinds)] for i in range(n)])
+
+
+# Gemma 4's text decoder: 4 layers, sliding and full alternating (the full ones with proportional RoPE over a
+# quarter of the head, theta 1e6); no per-layer input embeddings and no kv sharing (convert refuses both by name);
+# a final-logit cap of 5. Head dim 8 (8 heads, 4 kv heads): attention is scaled by 1 over unit-RMS q and k, so the
+# scores grow with the head dim, and at 16 the 20-step run amplifies rounding past 1e-4 (transformers' own eager and
+# SDPA runs part by 7e-3 there). The estimate is measured on full layers alone: a model holding both kinds computes a
+# rope table per kind, which a 2-layer minus 1-layer measure would count as the layer's.
+_GEMMA4 = {**_BASE, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
+           "global_head_dim": 8, "sliding_window": 5,
+           "hidden_size_per_layer_input": 0, "final_logit_softcapping": 5.0}
+
+FAMILIES += [
+    Family("gemma4_text", _gemma4_config, transformers.Gemma4ForCausalLM, _GEMMA4,
+           layer_kinds=(("full_attention", {"layer_types": ("full_attention",)}),),
+           # full layers with their own head_dim; full layers whose v is k_proj's output (attention_k_eq_v) with
+           # their own kv heads
+           variants=(("global_head_dim", {"global_head_dim": 16}),
+                     ("k_eq_v", {"attention_k_eq_v": True, "num_global_key_value_heads": 1}))),
+]

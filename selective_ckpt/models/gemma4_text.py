@@ -1,0 +1,127 @@
+"""Hugging Face Gemma 4 text models (Gemma4ForCausalLM on Gemma4TextConfig, model type "gemma4_text"): Gemma3's
+sandwich layer (four norms a layer, the post-norms keeping o_proj's and down_proj's outputs) with:
+
+- Gemma4RMSNorm: T(x * rstd * w) in float32, rounded once, its weight used as it is (no (1 + w)), and scale-free
+  norms (v_norm, the router's) without a weight: every one of them runs its own forward, bit for bit, keeping its
+  input only and running again in backward (hf.NormSpec rounding "float32_scale");
+- per-head RMSNorms on q and k before RoPE and a scale-free one on v (qk_norm=True with v_norm as a third child):
+  each keeps its input (the projection's output); v_norm's output, attention's v, is rebuilt from it. Where
+  attention_k_eq_v makes a full layer's v from k_proj (no v_proj), v_norm reads k_norm's input, kept once;
+- attention scaled by 1 (transformers passes `scaling=1.0`), sliding and full layers by config.layer_types, each
+  with its own head_dim (full layers: global_head_dim), kv heads (num_global_key_value_heads with k_eq_v) and rope
+  (the full layers' proportional RoPE): the rotary tables are transformers' own, the attention module's forward
+  applies them, so any table runs as it does unconverted;
+- the final-logit soft-capping in the fused loss head; the layer's layer_scalar buffer multiplied in as
+  transformers does (a product by a buffer keeps nothing new);
+- the MoE layers (enable_moe_block): a dense gated MLP beside routed experts (models/moe.py's RoutedExperts, each
+  routed row keeping its gate and up outputs), the router transformers' own, each branch with its own post-norm.
+
+Refused by name before anything changes (check_gemma4): per-layer input embeddings (hidden_size_per_layer_input > 0),
+layers sharing another layer's keys and values (num_kv_shared_layers > 0), bidirectional attention."""
+
+import inspect
+import types
+
+from ..keeping import pipeline
+from .errors import ConversionError
+from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, config_shape, modules_of
+
+_LAYER_CHILDREN = (("input_layernorm", "norm"), ("self_attn", "attention"), ("post_attention_layernorm", "norm"),
+                   ("pre_feedforward_layernorm", "norm"), ("post_feedforward_layernorm", "norm"), ("mlp", "mlp"))
+
+
+def check_gemma4(root, name):
+    """ConversionError, before any change, for what a Gemma 4 text config asks that the converted model does not
+    reproduce at the floor."""
+    config = root.config
+    if getattr(config, "use_bidirectional_attention", None):
+        raise ConversionError(f"{name}: use_bidirectional_attention={config.use_bidirectional_attention!r} is not "
+                              "supported; selective_ckpt attention is causal")
+    if getattr(config, "hidden_size_per_layer_input", 0):
+        raise ConversionError(f"{name}: hidden_size_per_layer_input={config.hidden_size_per_layer_input} (per-layer "
+                              "input embeddings, a third residual block per layer) cannot be converted; "
+                              "selective_ckpt converts Gemma 4 text models with hidden_size_per_layer_input=0")
+    if getattr(config, "num_kv_shared_layers", 0):
+        raise ConversionError(f"{name}: num_kv_shared_layers={config.num_kv_shared_layers} (layers reading another "
+                              "layer's keys and values) cannot be converted; selective_ckpt converts Gemma 4 text "
+                              "models with num_kv_shared_layers=0")
+
+
+# --- RoPE on the normed q and k, rebuilt. Gemma 4 rotates q and k one at a time (apply_rotary_pos_emb(x, cos, sin,
+# unsqueeze_dim)) on [B, S, heads, D] before transposing them; the norms' outputs it reads are rebuilt, so its
+# outputs, which attention keeps, are rebuilt too, by the same function on the same bits. A layer then keeps its
+# projections' outputs (the norms' inputs) for q, k and v, as a Llama layer keeps q, k and v.
+
+_ROPE = "apply_rotary_pos_emb"
+_FORWARDS = {}  # attention class -> its transformers forward with RoPE's output registered to be rebuilt
+
+
+def _rebuilt_rope(rope):
+    def rotate(x, *args, **kwargs):
+        out = rope(x, *args, **kwargs)
+        if pipeline.active():
+            src = pipeline.source(x)
+            if src is not x:  # a rebuilt norm's output (or a view of one)
+                pipeline.discardable(out, _with_kwargs, rope, kwargs, src, *args)
+        return out
+
+    return rotate
+
+
+def _with_kwargs(rope, kwargs, x, *args):
+    return rope(x, *args, **kwargs)
+
+
+def _forward_of(cls):
+    """cls.forward as transformers defines it (its deprecation wrapper unwrapped) with its module's
+    apply_rotary_pos_emb replaced by _rebuilt_rope's; ConversionError where the forward calls no such function."""
+    forward = _FORWARDS.get(cls)
+    if forward is None:
+        raw = inspect.unwrap(cls.forward)
+        rope = getattr(raw, "__globals__", {}).get(_ROPE)
+        if rope is None or _ROPE not in raw.__code__.co_names:
+            raise ConversionError(f"{cls.__name__}.forward does not rotate q and k by its module's {_ROPE}; their "
+                                  "norms' outputs cannot be rebuilt through RoPE")
+        namespace = dict(raw.__globals__)
+        namespace[_ROPE] = _rebuilt_rope(rope)
+        forward = types.FunctionType(raw.__code__, namespace, raw.__name__, raw.__defaults__, raw.__closure__)
+        forward.__kwdefaults__ = raw.__kwdefaults__
+        _FORWARDS[cls] = forward
+    return forward
+
+
+def attention_forward(self, *args, **kwargs):
+    """Gemma4TextAttention's own forward, RoPE's outputs rebuilt in backward from the q/k norms' (rebuilt) outputs."""
+    if "past_key_values" in kwargs and "cache" not in kwargs:  # the name its deprecation wrapper still takes
+        kwargs["cache"] = kwargs.pop("past_key_values")
+    return _forward_of(type(self))(self, *args, **kwargs)
+
+
+def _patches(root):
+    out = []
+    for name, module in modules_of(root, "Gemma4TextAttention"):
+        try:
+            _forward_of(type(module))
+        except ConversionError as e:
+            raise ConversionError(f"{name}: {e}") from None
+        out.append((module, attention_forward))
+    return out
+
+
+def _shape(layer, config, spec):
+    """config_shape with the layer's own kv heads (a full layer's num_global_key_value_heads) and head_dim; q, k and
+    v are kept as their projections' outputs (the q/k/v norms' inputs; the norms' and RoPE's outputs are rebuilt),
+    the bytes of a layer without q/k norms; the norms keep no statistics (their own forward runs again)."""
+    attn = layer.self_attn
+    fields = config_shape(layer, config, spec)
+    fields.pop("qk_norm", None)
+    fields.update(num_kv_heads=attn.k_proj.out_features // attn.head_dim, norm_stats=False)
+    return fields
+
+
+SPEC = ModelSpec(model_types=("gemma4_text",), layer="Gemma4TextDecoderLayer", children=_LAYER_CHILDREN,
+                 norm=NormSpec("rmsnorm", "Gemma4RMSNorm", rounding="float32_scale"), attention="Gemma4TextAttention",
+                 attention_children=("q_proj", "k_proj", "v_proj", "o_proj"),
+                 mlp=MLPSpec("Gemma4TextMLP", "gate_up", GATE_UP_CHILDREN), shape=_shape, residual="sandwich",
+                 qk_norm=True, qk_norm_children=("q_norm", "k_norm", "v_norm"), check=check_gemma4,
+                 patches=_patches)
