@@ -19,15 +19,24 @@ sandwich layer (four norms a layer, the post-norms keeping o_proj's and down_pro
 Refused by name before anything changes (check_gemma4): per-layer input embeddings (hidden_size_per_layer_input > 0),
 layers sharing another layer's keys and values (num_kv_shared_layers > 0), bidirectional attention."""
 
+import dataclasses
 import inspect
 import types
 
-from ..keeping import pipeline
-from .errors import ConversionError
-from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, config_shape, modules_of
+import torch
 
+from ..keeping import pipeline
+from ..memory.estimate import MoE
+from .errors import ConversionError
+from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, check_children, config_shape, modules_of
+from .moe import check_experts, experts_forward
+
+# a MoE layer's own children (config.enable_moe_block: every layer holds them)
+_MOE_CHILDREN = (("router", "own"), ("experts", "own"), ("post_feedforward_layernorm_1", "norm"),
+                 ("post_feedforward_layernorm_2", "norm"), ("pre_feedforward_layernorm_2", "norm"))
 _LAYER_CHILDREN = (("input_layernorm", "norm"), ("self_attn", "attention"), ("post_attention_layernorm", "norm"),
-                   ("pre_feedforward_layernorm", "norm"), ("post_feedforward_layernorm", "norm"), ("mlp", "mlp"))
+                   ("pre_feedforward_layernorm", "norm"), ("post_feedforward_layernorm", "norm"),
+                   ("mlp", "mlp")) + _MOE_CHILDREN
 
 
 def check_gemma4(root, name):
@@ -45,6 +54,20 @@ def check_gemma4(root, name):
         raise ConversionError(f"{name}: num_kv_shared_layers={config.num_kv_shared_layers} (layers reading another "
                               "layer's keys and values) cannot be converted; selective_ckpt converts Gemma 4 text "
                               "models with num_kv_shared_layers=0")
+    for lname, layer in modules_of(root, "Gemma4TextDecoderLayer"):
+        held = [c for c, _ in _MOE_CHILDREN if c in layer._modules]
+        if not held:
+            continue
+        if len(held) != len(_MOE_CHILDREN):
+            raise ConversionError(f"{lname}: a MoE layer holds {held} of {[c for c, _ in _MOE_CHILDREN]}; it cannot be "
+                                  "converted")
+        router, experts = layer.router, layer.experts
+        if type(router).__name__ != "Gemma4TextRouter" or type(experts).__name__ != "Gemma4TextExperts":
+            raise ConversionError(f"{lname}: router {type(router).__name__} and experts {type(experts).__name__} must "
+                                  "be Gemma4TextRouter and Gemma4TextExperts")
+        check_children(router, f"{lname}.router", ("norm", "proj"), "gemma4_text")
+        check_children(experts, f"{lname}.experts", ("act_fn",), "gemma4_text")
+        check_experts(experts, f"{lname}.experts")
 
 
 # --- RoPE on the normed q and k, rebuilt. Gemma 4 rotates q and k one at a time (apply_rotary_pos_emb(x, cos, sin,
@@ -98,7 +121,7 @@ def attention_forward(self, *args, **kwargs):
 
 
 def _patches(root):
-    out = []
+    out = [(m, experts_forward) for _, m in modules_of(root, "Gemma4TextExperts")]
     for name, module in modules_of(root, "Gemma4TextAttention"):
         try:
             _forward_of(type(module))
@@ -108,14 +131,39 @@ def _patches(root):
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Gemma4MoE(MoE):
+    """A Gemma 4 MoE layer's experts for memory.estimate: memory.MoE's routed rows and router (softmax over all
+    experts, top-k, normalised in place) with the dense MLP beside them as an ungated "shared expert" (its gate and
+    up kept), and what Gemma 4's own router and sums keep besides: the router projection's input (the scaled norm
+    output, t*h), the per-expert scale's product (both fp32 operands, t*k each), the experts' output and the sum of
+    the two branches (the inputs of their post-norms, t*h each; the dense branch's is memory.estimate's mlp_out)."""
+
+    hidden_dim: int = 0
+
+    def kept(self, tokens, mlp_size, size, recompute="selective"):
+        parts = super().kept(tokens, mlp_size, size, recompute)
+        t, h = tokens, self.hidden_dim
+        parts.update(router_in=t * h * size, expert_scale=2 * t * self.top_k * 4, experts_out=t * h * size,
+                     branch_sum=t * h * size)
+        return parts
+
+
 def _shape(layer, config, spec):
     """config_shape with the layer's own kv heads (a full layer's num_global_key_value_heads) and head_dim; q, k and
     v are kept as their projections' outputs (the q/k/v norms' inputs; the norms' and RoPE's outputs are rebuilt),
-    the bytes of a layer without q/k norms; the norms keep no statistics (their own forward runs again)."""
+    the bytes of a layer without q/k norms; the norms keep no statistics (their own forward runs again). A MoE layer
+    adds its experts and router (Gemma4MoE)."""
     attn = layer.self_attn
     fields = config_shape(layer, config, spec)
     fields.pop("qk_norm", None)
     fields.update(num_kv_heads=attn.k_proj.out_features // attn.head_dim, norm_stats=False)
+    if "experts" in layer._modules:
+        experts, dense = layer.experts, getattr(layer.mlp.gate_proj, "base_layer", layer.mlp.gate_proj)
+        fields["moe"] = Gemma4MoE(num_experts=experts.num_experts, top_k=config.top_k_experts,
+                                  expert_dim=experts.intermediate_dim, weights_dtype=torch.float32,
+                                  shared_dim=dense.out_features, shared_gate=False, hidden_dim=config.hidden_size)
+        fields["scalar_multipliers"] = 1  # the router's input times hidden_size ** -0.5, a Python float
     return fields
 
 
@@ -124,4 +172,4 @@ SPEC = ModelSpec(model_types=("gemma4_text",), layer="Gemma4TextDecoderLayer", c
                  attention_children=("q_proj", "k_proj", "v_proj", "o_proj"),
                  mlp=MLPSpec("Gemma4TextMLP", "gate_up", GATE_UP_CHILDREN), shape=_shape, residual="sandwich",
                  qk_norm=True, qk_norm_children=("q_norm", "k_norm", "v_norm"), check=check_gemma4,
-                 patches=_patches)
+                 patches=_patches, optional=tuple(c for c, _ in _MOE_CHILDREN))

@@ -35,7 +35,9 @@ from .patching import patch_forward
 
 # "dropout": an nn.Dropout child of the layer (Phi-3's residual ones); "mixer": a token mixer kept as transformers'
 # own module (ModelSpec.mixer), which a layer holds instead of its attention
-ROLES = ("norm", "attention", "mlp", "dropout", "mixer")
+# "own": a child left as transformers' own module (or patched by the spec's patches), which the spec's check verifies
+# (Gemma 4's router and experts)
+ROLES = ("norm", "attention", "mlp", "dropout", "mixer", "own")
 # separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc); one gate_up_proj whose output
 # is chunked into gate and up (Phi-3)
 MLP_LAYOUTS = ("gate_up", "fc", "packed_gate_up")
@@ -112,6 +114,8 @@ class ModelSpec:
     # a token mixer kept as transformers' own (MixerSpec): the layers with a child of role "mixer" hold it instead of
     # their "attention" child, each layer exactly one of the two. None: every layer holds its attention
     mixer: object = None
+    # children a layer may lack (Gemma 4's MoE router, experts and their norms, which config.enable_moe_block adds)
+    optional: tuple = ()
 
     def __post_init__(self):
         bad = sorted({role for _, role in self.children} - set(ROLES))
@@ -250,6 +254,10 @@ def plan(root, spec, model_type):
                                   f"of its token mixers {names}; a converted layer holds exactly one")
         for child, role in spec.children:
             if role in mixers and child not in held:
+                continue
+            if child in spec.optional and child not in layer._modules:
+                continue
+            if role == "own":  # the spec's check verifies it
                 continue
             module = getattr(layer, child)
             if not _is(module, expected[role]) and not (role == "mlp" and spec.moe and _is(module, spec.moe.block)):

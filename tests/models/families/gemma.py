@@ -70,3 +70,16 @@ FAMILIES += [
            variants=(("global_head_dim", {"global_head_dim": 16}),
                      ("k_eq_v", {"attention_k_eq_v": True, "num_global_key_value_heads": 1}))),
 ]
+
+# Gemma 4's MoE layers (enable_moe_block: a dense MLP beside 4 experts, 2 per token, in every layer); transformers'
+# "eager" experts loop (its default, grouped_mm, has no float64 kernel for the reference). Packed documents are
+# checked by the dense family: here a later document's logits take other bits when the first document's tokens
+# route elsewhere, in the unconverted model too (3.6e-7: the experts' matmuls run over other row counts)
+_GEMMA4_MOE = {**_GEMMA4, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+               "experts_implementation": "eager"}
+
+FAMILIES += [
+    Family("gemma4_text_moe", _gemma4_config, transformers.Gemma4ForCausalLM, _GEMMA4_MOE, packed=False,
+           lora_targets=("q_proj", "v_proj", "down_proj"),
+           layer_kinds=(("full_attention", {"layer_types": ("full_attention",)}),)),
+]
