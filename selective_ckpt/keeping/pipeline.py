@@ -129,17 +129,19 @@ class _Rebuild:
     `args` may hold sources (`_View`) of other dropped outputs; they are rebuilt first.
     """
 
-    __slots__ = ("fn", "args", "value", "count")
+    __slots__ = ("fn", "args", "value", "count", "order")
 
     def __init__(self, fn, args):
-        self.fn, self.args, self.value, self.count = fn, args, None, 0
+        self.fn, self.args, self.value, self.count, self.order = fn, args, None, 0, ()
 
     def get(self):
         if self.value is None:
             self.count += 1
             with torch.no_grad():
                 args = [a.get() if isinstance(a, _View) else a for a in self.args]
-                self.value = self.fn(*args).contiguous()
+                value = self.fn(*args)
+                # laid out as the registered output's storage, which the placeholders' geometry reads
+                self.value = (value.permute(self.order) if self.order else value).contiguous()
         return self.value
 
 
@@ -229,8 +231,9 @@ class _LayerPipeline:
     # --- rebuild
 
     def register(self, y, rebuild):
-        key = _key(y)
-        if key is not None:  # a subclass is kept as it is (view_of never finds one)
+        key, order = _key(y), _dense_order(y)
+        if key is not None and order is not None:  # a subclass is kept as it is (view_of never finds one)
+            rebuild.order = order
             self.outputs[key] = (y, y._version, rebuild)
             if self.by_graph:
                 self._edge(y)
@@ -312,7 +315,7 @@ class _LayerPipeline:
         if type(node) is not _TO_COPY_NODE:
             return None
         edge = node.next_functions[0]
-        if edge[0] is None or not t.is_contiguous() or _key(t) is None:
+        if edge[0] is None or _dense_order(t) is None or _key(t) is None:
             return None
         found = self._edge_of(edge)
         ops, shape = None, t.shape
@@ -382,7 +385,7 @@ class _LayerPipeline:
     def note_cast(self, src, out):
         """Called for every dtype cast while casts are watched: the cast carries src's class, and is rebuilt from
         src when src is a registered output."""
-        if not out.is_contiguous() or _key(out) is None:
+        if _dense_order(out) is None or _key(out) is None:
             return
         cls = self.class_of(src)
         if cls != OTHER:
@@ -599,17 +602,29 @@ def _current():
 
 def discardable(y, rebuild, *args):
     """Registers y as a norm or activation output, rebuilt by `rebuild(*args)` (bit-identical, under no_grad)
-    when the layer's policy rebuilds those, if a pipeline is active. Returns y.
+    when the layer's policy rebuilds those, if a pipeline is active. Returns y. y is contiguous or a
+    permutation of a contiguous tensor (else it is kept).
 
     `args` should be tensors the producing op keeps for its own backward anyway (its input and
     statistics), or `source(x)` handles, so the placeholder costs nothing.
     """
     current = _current()
-    if current is not None and isinstance(y, torch.Tensor) and y.is_contiguous() and torch.is_grad_enabled():
+    if current is not None and isinstance(y, torch.Tensor) and torch.is_grad_enabled():
+        if _dense_order(y) is None:
+            return y
         current.tag(y, "norm_act")
         if current.rebuilds:
             current.register(y, _Rebuild(rebuild, args))
     return y
+
+
+def _dense_order(y):
+    """() for a contiguous y; the permutation that makes a dense permuted y contiguous (RoPE's output on a
+    transposed q is [B, H, S, D] over [B, S, H, D] memory); None for any other layout."""
+    if y.is_contiguous():
+        return ()
+    order = tuple(sorted(range(y.dim()), key=lambda d: (-y.stride(d), d)))
+    return order if y.permute(order).is_contiguous() else None
 
 
 def cast(t, dtype):

@@ -67,17 +67,21 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     down_proj output (t*h*e_mlp), besides x and x1 that the projections read (as their own casts, 3 of x
     and 2 of x1, when the residual stream has another dtype: fp32 weights under autocast); no norm output is
     consumed by a saving op, so "none" adds only the product. `qk_norm="projection"` (q/k RMSNorm over the
-    whole q_proj / k_proj output) keeps those outputs, t*(H*D + Hkv*D)*e, besides q and k after RoPE.
+    whole q_proj / k_proj output) keeps those outputs, t*(H*D + Hkv*D)*e; q and k after RoPE are rebuilt from
+    them under "selective" (kept under "none").
     `norm_stats=False`: the norms keep no rstd (norms that run their own forward again in backward), the q/k norms
     and post-norms included.
     `scalar_multipliers`: products by a Python float keeping it as a 0-dim float64 tensor, 8 bytes each.
 
     `qk_norm=True` (Qwen3, Gemma3: an RMSNorm per head on q and k before RoPE): each norm keeps its
-    input, the q/k projection outputs t*(H + Hkv)*D*e (attention keeps the rotated q, k besides), and
-    an fp32 rstd per head and token, t*(H + Hkv)*4. `post_norms=True` (Gemma2, Gemma3: an RMSNorm on
-    the attention and on the MLP output before each residual add, four norms a layer): each keeps its
-    input, a matmul output (o_proj's t*h*e, down_proj's t*h*e_mlp), and its rstd, t*4 each. Their
-    outputs feed RoPE or a residual add, which keep none of them, so "none" adds nothing for them.
+    input, the q/k projection outputs t*(H + Hkv)*D*e, and an fp32 rstd per head and token, t*(H + Hkv)*4;
+    the rotated q, k attention reads are rebuilt from them under "selective" (so q/k/v counts v alone: Llama's
+    bytes plus the statistics) and kept under "none" (and with `attn_gate`, whose forward is the hybrids' own);
+    with weights in `residual_dtype` on q, k of `dtype` (autocast) each norm keeps a row of D ones in `dtype`.
+    `post_norms=True` (Gemma2, Gemma3: an RMSNorm on the attention and on the MLP output before each residual
+    add, four norms a layer): each keeps its input, a matmul output (o_proj's t*h*e, down_proj's t*h*e_mlp),
+    and its rstd, t*4 each. Their outputs feed RoPE or a residual add, which keep none of them, so "none" adds
+    nothing for them.
     `qk_norm="rotated"` (HunYuan: an RMSNorm per head on q and k after RoPE): the norms' inputs are the rotated
     q, k, and attention reads their outputs, rebuilt, so the layer adds only the fp32 rstd per head and token,
     t*(H + Hkv)*4; "none" keeps the outputs too, t*(H + Hkv)*D*e. RoPE's tables have the residual stream's
@@ -164,6 +168,11 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
             parts["qk_norm_in"] = t * (num_heads + kv_heads) * head_dim * e
             if norm_stats:
                 parts["qk_norm_stats"] = t * (num_heads + kv_heads) * acc
+            if er != e:  # weights of the residual stream's dtype on q, k of `dtype`: each norm keeps a row of ones
+                parts["qk_norm_ones"] = 2 * head_dim * e
+        if qk_norm in (True, "projection") and recompute == "selective" and not attn_gate and "qkv" in parts:
+            # the rotated q, k attention reads are rebuilt from the norms' inputs (kept above): of q, k, v only v
+            parts["qkv"] = t * kv_heads * head_dim * e
         if attn_gate and mixer is None:
             if qk_norm is True:
                 parts["qk_norm_in"] += t * num_heads * head_dim * e

@@ -28,14 +28,16 @@ backward (`_RowsAttendingNothing`); such a batch keeps the attention output a se
 out-projection's input), a batch without such rows keeps the floor.
 """
 
+import inspect
 import sys
+import types
 import warnings
 import weakref
 
 import torch
 
 from .. import compat, rng
-from ..keeping import layer_tiles
+from ..keeping import layer_tiles, pipeline
 from ..ops.attention import attention
 from ..storages import is_fake, storage_bytes, storage_id
 from .errors import ConversionError
@@ -530,3 +532,83 @@ def _tile_attention(module, name, tile, query, key, value, attention_mask, dropo
                   sliding_window=window, cu_seqlens=cu, softcap=kwargs.get("softcap"), q_offset=tile.start,
                   sinks=sinks)
     return o.transpose(1, 2), None
+
+
+# --- q/k norms before RoPE (ModelSpec.qk_norm True, per head: Qwen3, Gemma3; "projection": OLMo2/3). The norms keep
+# their inputs (the q_proj / k_proj outputs) and statistics, and their outputs are rebuilt; RoPE's outputs, which
+# attention keeps, are rebuilt from those (elementwise, one layer's worth at a time) by the family's own
+# apply_rotary_pos_emb on the rebuilt norm outputs: the same function on the same bits. So such a layer keeps
+# Llama's q/k/v bytes (the projection outputs and v) plus the norms' statistics.
+
+_ROPE = "apply_rotary_pos_emb"
+_REBUILDING_FORWARDS = {}  # attention class -> its transformers forward with RoPE's outputs registered
+
+
+def _forward_rebuilding_rope(cls):
+    """cls.forward as transformers defines it (its deprecation wrapper unwrapped), with its module's
+    apply_rotary_pos_emb replaced by one whose outputs are registered to be rebuilt (_rotated)."""
+    forward = _REBUILDING_FORWARDS.get(cls)
+    if forward is None:
+        raw = inspect.unwrap(cls.forward)
+        rope = getattr(raw, "__globals__", {}).get(_ROPE)
+        if rope is None or _ROPE not in raw.__code__.co_names:
+            raise ConversionError(f"{cls.__name__}.forward does not rotate q and k by its module's {_ROPE}; its q/k "
+                                  "norms' outputs cannot be rebuilt through RoPE")
+        namespace = dict(raw.__globals__)
+        namespace[_ROPE] = _Rotated(rope)
+        forward = types.FunctionType(raw.__code__, namespace, raw.__name__, raw.__defaults__, raw.__closure__)
+        forward.__kwdefaults__ = raw.__kwdefaults__
+        _REBUILDING_FORWARDS[cls] = forward
+    return forward
+
+
+def check_rope_rebuild(module, name):
+    """ConversionError when `module`'s forward does not rotate q and k by its module's apply_rotary_pos_emb."""
+    try:
+        _forward_rebuilding_rope(type(module))
+    except ConversionError as e:
+        raise ConversionError(f"{name}: {e}") from None
+
+
+def qk_normed_forward(self, *args, **kwargs):
+    """The patched forward of an attention module whose q/k norms run before RoPE: transformers' own, with RoPE's
+    outputs rebuilt in backward from the norms' (themselves rebuilt) outputs."""
+    if "past_key_values" in kwargs and "cache" not in kwargs:  # the name its deprecation wrapper still takes
+        kwargs["cache"] = kwargs.pop("past_key_values")
+    return _forward_rebuilding_rope(type(self))(self, *args, **kwargs)
+
+
+class _Rotated:
+    """A family's apply_rotary_pos_emb(q, k, ...) whose outputs are registered to be rebuilt when q and k are
+    (views of) rebuilt norm outputs; else (a norm that keeps its output, no rebuilding pipeline) as it is."""
+
+    def __init__(self, rope):
+        self.rope = rope
+
+    def __call__(self, q, k, *args, **kwargs):
+        q_out, k_out = self.rope(q, k, *args, **kwargs)
+        if pipeline.active():
+            qs, ks = pipeline.source(q), pipeline.source(k)
+            if qs is not q and ks is not k:
+                pair = _RotatedPair(self.rope, args, kwargs)
+                pipeline.discardable(q_out, pair.output, 0, qs, ks)
+                pipeline.discardable(k_out, pair.output, 1, qs, ks)
+        return q_out, k_out
+
+
+class _RotatedPair:
+    """One RoPE call rebuilt once for both of its outputs; the pair is let go once both are taken."""
+
+    __slots__ = ("rope", "args", "kwargs", "value", "left")
+
+    def __init__(self, rope, args, kwargs):
+        self.rope, self.args, self.kwargs, self.value, self.left = rope, args, kwargs, None, 2
+
+    def output(self, i, q, k):
+        value = self.value
+        if value is None:
+            value = self.value = self.rope(q, k, *self.args, **self.kwargs)
+        self.left -= 1
+        if self.left == 0:
+            self.value = None
+        return value[i]

@@ -55,7 +55,8 @@ _ACTIVATION_CHILD = {"gate_up": 3, "fc": 1, "packed_gate_up": 2}  # index of the
 # norms, whose post-norms keep o_proj's and down_proj's outputs (post_norms=True).
 RESIDUALS = ("pre-norm", "parallel", "post-norm", "sandwich")
 # q/k norms (ModelSpec.qk_norm): per head over head_dim (Qwen3), or over the whole q_proj / k_proj output (OLMo2),
-# or per head on q and k after RoPE ("rotated", HunYuan: attention reads the norms' outputs, rebuilt)
+# both before RoPE (whose outputs attention reads, rebuilt: attention.qk_normed_forward), or per head on q and k
+# after RoPE ("rotated", HunYuan: attention reads the norms' outputs, rebuilt)
 QK_NORMS = (False, True, "projection", "rotated")
 
 
@@ -289,8 +290,15 @@ def plan(root, spec, model_type):
             raise ConversionError(f"{name}: in-place nn.Dropout cannot be converted")
         patches += [(m, dropout_forward) for m in dropouts]
     patches += [(m, spec.mlp.forward or _mlp_forward(spec.mlp)) for _, m in modules_of(root, spec.mlp.cls)]
-    if spec.patches is not None:
-        patches += spec.patches(root)
+    own = spec.patches(root) if spec.patches is not None else []
+    if spec.qk_norm in (True, "projection"):  # norms before RoPE: RoPE's outputs rebuilt too (attention.py)
+        attn, mine = _child_of_role(spec, "attention"), {id(m) for m, _ in own}
+        for lname, layer in layers:
+            module = getattr(layer, attn, None)
+            if id(getattr(module, spec.qk_norm_children[0], None)) in qk_norms and id(module) not in mine:
+                attention.check_rope_rebuild(module, f"{lname}.{attn}")
+                patches.append((module, attention.qk_normed_forward))
+    patches += own
     if spec.moe is not None:
         patches += spec.moe.patches(root)
     return [m for _, m in layers], patches

@@ -1,5 +1,6 @@
 """Hugging Face OLMo2: post-norm layers (RMSNorm on the attention and MLP outputs before each residual add) and
-q/k RMSNorms over the whole q_proj / k_proj output. Its RMSNorm scales in float32 and rounds once, an order
+q/k RMSNorms over the whole q_proj / k_proj output, from whose inputs attention's rotated q and k are rebuilt
+(attention.qk_normed_forward). Its RMSNorm scales in float32 and rounds once, an order
 the kernels do not have: each norm runs its own forward, keeping only its input (a matmul output), and
 runs again in backward."""
 
