@@ -17,7 +17,8 @@ sandwich layer (four norms a layer, the post-norms keeping o_proj's and down_pro
   routed row keeping its gate and up outputs), the router transformers' own, each branch with its own post-norm.
 
 Refused by name before anything changes (check_gemma4): per-layer input embeddings (hidden_size_per_layer_input > 0),
-layers sharing another layer's keys and values (num_kv_shared_layers > 0), bidirectional attention."""
+layers sharing another layer's keys and values (num_kv_shared_layers > 0), bidirectional attention over all tokens
+(use_bidirectional_attention="all"; "vision" keeps the text model causal)."""
 
 import dataclasses
 import inspect
@@ -43,7 +44,9 @@ def check_gemma4(root, name):
     """ConversionError, before any change, for what a Gemma 4 text config asks that the converted model does not
     reproduce at the floor."""
     config = root.config
-    if getattr(config, "use_bidirectional_attention", None):
+    # "vision": the text model stays causal; a composite model's mask over image tokens, which our kernels do not
+    # express, runs transformers' SDPA attention for that call (models/attention.py)
+    if getattr(config, "use_bidirectional_attention", None) not in (None, "vision"):
         raise ConversionError(f"{name}: use_bidirectional_attention={config.use_bidirectional_attention!r} is not "
                               "supported; selective_ckpt attention is causal")
     if getattr(config, "hidden_size_per_layer_input", 0):

@@ -1,0 +1,67 @@
+"""Gemma 4 specifics: what the converted text model does not reproduce (per-layer input embeddings, kv-shared
+layers, bidirectional attention over all tokens) is refused naming the setting before anything changes; in
+Gemma4ForConditionalGeneration the text model converts and the vision tower and its embedder stay transformers'
+own, said once; the experts' transformers default (grouped_mm) within the rule in float32 against eager's."""
+
+import copy
+import logging
+
+import pytest
+
+from selective_ckpt import ConversionError, convert
+from selective_ckpt.models.patching import PATCHED
+from selective_ckpt.registry import recomputable_layers
+from tests.models.families import by_name
+from tests.models.hf_checks import assert_matches_reference, batch, triple
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = by_name("gemma4_text")
+
+
+def _patched(module):
+    return [n for n, m in module.named_modules() if PATCHED in vars(m)]
+
+
+@pytest.mark.parametrize("setting, value, named", [
+    ("hidden_size_per_layer_input", 16, "hidden_size_per_layer_input=16"),
+    ("num_kv_shared_layers", 2, "num_kv_shared_layers=2"),
+    ("use_bidirectional_attention", "all", "use_bidirectional_attention='all'"),
+])
+def test_unreproduced_settings_are_refused_before_any_change(setting, value, named):
+    model = TEXT.build(**{setting: value})()
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(ConversionError, match=named.replace("(", r"\(")):
+        convert(model)
+    assert model.config._attn_implementation == "sdpa" and not _patched(model)
+    assert not recomputable_layers(model)
+
+
+def test_vision_tower_stays_and_is_said(caplog):
+    model = by_name("gemma4").build()()
+    model.config._attn_implementation = "sdpa"
+    with caplog.at_level(logging.INFO, logger="selective_ckpt"):
+        convert(model)
+    said = [r.getMessage() for r in caplog.records if "left as transformers' own" in r.getMessage()]
+    assert len(said) == 1
+    for name in ("model.vision_tower (Gemma4VisionModel)", "model.embed_vision (Gemma4MultimodalEmbedder)",
+                 "lm_head (Linear)", "model.language_model (Gemma4TextModel)"):
+        assert name in said[0], said[0]
+    assert not _patched(model.model.vision_tower) and not _patched(model.model.embed_vision)
+    assert _patched(model.model.language_model)
+    assert len(recomputable_layers(model)) == 4
+    assert model.config.text_config._attn_implementation == "selective_ckpt"
+    assert model.config.vision_config._attn_implementation == "sdpa"
+
+
+def test_grouped_mm_experts_within_the_rule():
+    """MoE layers on transformers' default experts (grouped_mm, which has no float64 kernel): the converted model
+    against the unconverted one on grouped_mm in float32, both against the float64 reference on eager experts."""
+    moe = by_name("gemma4_text_moe")
+    ref, _, _ = triple(moe.build(num_hidden_layers=2))
+    plain = copy.deepcopy(ref).float()
+    plain.config._experts_implementation = "grouped_mm"
+    plain.config._attn_implementation = "sdpa"
+    ours = convert(copy.deepcopy(plain))
+    ids, mask = batch()
+    assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
