@@ -103,8 +103,8 @@ class _Gemma4Composite(CompositeFamily):
 
 # Gemma 4's vision tower (one layer, 8 x 8 patches pooled 2 x 2) and its embedder beside the dense text model; no
 # audio tower. The image tokens are the last ids of the vocabulary.
-GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=2, head_dim=16, patch_size=8, position_embedding_size=64, pooling_kernel_size=2)
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                     num_key_value_heads=2, patch_size=8, position_embedding_size=64, pooling_kernel_size=2)
 
 FAMILIES += [
     # LoRA on the text layers by their full names: the vision tower's projections share the names q_proj, k_proj,
