@@ -41,6 +41,7 @@ from ..keeping import layer_tiles, pipeline
 from ..ops.attention import attention
 from ..storages import is_fake, storage_bytes, storage_id
 from .errors import ConversionError
+from .patching import PATCHED
 
 NAME = "selective_ckpt"
 
@@ -573,6 +574,8 @@ def check_rope_rebuild(module, name):
 def qk_normed_forward(self, *args, **kwargs):
     """The patched forward of an attention module whose q/k norms run before RoPE: transformers' own, with RoPE's
     outputs rebuilt in backward from the norms' (themselves rebuilt) outputs."""
+    if torch.compiler.is_compiling():  # no pipeline while dynamo traces (the compiled graph decides what it keeps)
+        return getattr(self, PATCHED)(*args, **kwargs)
     if "past_key_values" in kwargs and "cache" not in kwargs:  # the name its deprecation wrapper still takes
         kwargs["cache"] = kwargs.pop("past_key_values")
     return _forward_rebuilding_rope(type(self))(self, *args, **kwargs)
