@@ -1,12 +1,14 @@
-"""Gemma 4 specifics: what the converted text model does not reproduce (per-layer input embeddings, kv-shared
-layers, bidirectional attention over all tokens) is refused naming the setting before anything changes; in
-Gemma4ForConditionalGeneration the text model converts and the vision tower and its embedder stay transformers'
-own, said once; the experts' transformers default (grouped_mm) within the rule in float32 against eager's."""
+"""Gemma 4 specifics: non-trivial norm weights (w, not 1 + w) within the rule; what the converted text model does not
+reproduce (per-layer input embeddings, kv-shared layers, bidirectional attention over all tokens) is refused naming
+the setting before anything changes; in Gemma4ForConditionalGeneration the text model converts and the vision tower
+and its embedder stay transformers' own, said once; the experts' transformers default (grouped_mm) within the rule
+in float32 against eager's."""
 
 import copy
 import logging
 
 import pytest
+import torch
 
 from selective_ckpt import ConversionError, convert
 from selective_ckpt.models.patching import PATCHED
@@ -63,5 +65,21 @@ def test_grouped_mm_experts_within_the_rule():
     plain.config._experts_implementation = "grouped_mm"
     plain.config._attn_implementation = "sdpa"
     ours = convert(copy.deepcopy(plain))
+    ids, mask = batch()
+    assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+
+
+def test_norm_weights_scale_as_w():
+    """Non-trivial norm weights (Gemma 4 initialises them at 1 and scales by w, not 1 + w), the q/k norms' and the
+    scale-free v norms beside them: within the rule against float64."""
+    def build():
+        model = TEXT.build()()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(torch.linspace(0.5, 1.5, p.numel()).view_as(p))
+        return model
+
+    ref, plain, ours = triple(build)
     ids, mask = batch()
     assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
