@@ -225,11 +225,6 @@ NOT_MODULE_CODE = re.compile(r"(modular|convert|image_processing|video_processin
 # matches fails too, so this list only shrinks.
 PENDING = {
     ("models/hf.py", "_attn_implementation"): "set_attention_implementation",
-    ("models/moe.py", "_active_collector"): "active_output_collector",
-    ("models/moe.py", "_experts_implementation"): "experts_implementation",
-    ("models/moe.py", "_is_expert_parallel"): "is_expert_parallel",
-    ("models/moe.py", "_apply_gate"): "has_own_expert_gating",
-    ("models/moe.py", "_default_apply_gate"): "has_own_expert_gating",
 }
 
 
@@ -322,10 +317,7 @@ def test_the_guard_sees_each_kind_of_access_and_not_ours_or_torchs(tmp_path):
 
 # Third-party classes matched by name outside compat.py (by design the model specs name their families' classes,
 # transformers' model classes, which are not in this set)
-PENDING_CLASS_NAMES = {
-    ("models/moe.py", "Linear4bit"): "is_quantized_linear",
-    ("models/moe.py", "Linear8bitLt"): "is_quantized_linear",
-}
+PENDING_CLASS_NAMES = {}
 
 
 def test_bitsandbytes_and_peft_classes_matched_by_name_only_in_compat():

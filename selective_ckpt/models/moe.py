@@ -47,6 +47,7 @@ import threading
 
 import torch
 
+from .. import compat
 from ..activations import has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
 from ..keeping import pipeline, tiling
@@ -254,7 +255,7 @@ def even_counts(rows, num_experts):
 
 
 def implementation_of(experts):
-    impl = getattr(experts.config, "_experts_implementation", None)
+    impl = compat.experts_implementation(experts.config)
     return "eager" if impl is None else impl
 
 
@@ -274,7 +275,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     impl = implementation_of(self)
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"{type(self).__name__}: experts implementation {impl!r} is not supported by selective_ckpt "
-                         f"(supported: {', '.join(IMPLEMENTATIONS)}); set config._experts_implementation to one")
+                         f"(supported: {', '.join(IMPLEMENTATIONS)}); choose one with "
+                         "model.set_experts_implementation(...)")
     reduce, rule = IMPLEMENTATIONS[impl]
     device_type = hidden_states.device.type
     dtype = self.gate_up_proj.dtype if rule == "weight" else (_autocast_dtype(device_type) or hidden_states.dtype)
@@ -295,14 +297,15 @@ def check_experts(experts, name):
                               f"reproduces {', '.join(IMPLEMENTATIONS)}); load the model with "
                               "experts_implementation='grouped_mm' or 'eager'")
     flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-             "has_post_expert_norm": False, "_is_expert_parallel": False}
+             "has_post_expert_norm": False}
     wrong = [f"{f}={getattr(experts, f, None)!r}" for f, want in flags.items() if getattr(experts, f, want) != want]
+    if compat.is_expert_parallel(experts):
+        wrong.append("expert parallelism")
     if wrong:
         raise ConversionError(f"{name}: experts with {', '.join(wrong)} cannot be converted; selective_ckpt converts "
                               "concatenated [gate; up] experts without bias, transposition, post-norm or expert "
                               "parallelism")
-    apply_gate = getattr(type(experts), "_apply_gate", None)
-    if apply_gate is not None and apply_gate.__name__ != "_default_apply_gate":
+    if compat.has_own_expert_gating(experts):
         raise ConversionError(f"{name}: experts with their own gating ({type(experts).__name__}._apply_gate) cannot "
                               "be converted")
     for p in ("gate_up_proj", "down_proj"):
@@ -320,11 +323,7 @@ def check_experts(experts, name):
 def _router_logits():
     """The list transformers' output capturing appends each router call's logits to in this forward (a model
     called with output_router_logits), or None where no logits are collected."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        return None
-    collected = _active_collector.get()
+    collected = compat.active_output_collector()
     return None if collected is None else collected.get("router_logits")
 
 
@@ -435,7 +434,7 @@ class MoESpec:
             gate = getattr(block.shared_expert_gate, "base_layer", block.shared_expert_gate)  # LoRA keeps its base
             # called as a module: a plain Linear or a bitsandbytes 4-/8-bit one (QLoRA quantizes it too)
             linear = type(gate) is torch.nn.Linear or (isinstance(gate, torch.nn.Linear) and
-                                                      type(gate).__name__ in ("Linear4bit", "Linear8bitLt"))
+                                                      compat.is_quantized_linear(gate))
             if not linear or gate.bias is not None:
                 raise ConversionError(f"{name}.shared_expert_gate is not a bias-free nn.Linear (plain, 4- or 8-bit); "
                                       "it cannot be converted")
