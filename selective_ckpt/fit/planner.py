@@ -111,6 +111,12 @@ def is_mixture_of_experts(config):
                                                   "moe_num_experts"))
 
 
+def has_recurrent_layers(config):
+    """Whether some layers hold a recurrent token mixer (config.layer_types "linear_attention": a hybrid's Gated
+    DeltaNet), which query tiles would restart (convert refuses layer tiles for them)."""
+    return "linear_attention" in (getattr(config, "layer_types", None) or ())
+
+
 def _tiled_kinds(mode, tiles, layer_tiles):
     """The simulated kinds of `mode`: untiled, its MLP in `tiles` tiles where it rebuilds the MLP, and under "full"
     the whole layer in `tiles` tiles where `layer_tiles`."""
@@ -144,7 +150,7 @@ def _candidates(proj, seq_len, rates=None):
     cost = model.cost
     times = timing.layer_times(cost, rates, tokens, seq_len) if rates is not None else None
     tiles = default_tiles(tokens, cost.hidden)
-    layer_tiles = tiles > 1 and not is_mixture_of_experts(model.config)
+    layer_tiles = tiles > 1 and not is_mixture_of_experts(model.config) and not has_recurrent_layers(model.config)
     out = []
     for mode in MODES:
         per_token = model.class_bytes(mode)
