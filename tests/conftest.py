@@ -81,6 +81,7 @@ SLOW = (
     # Gemma 4's text decoder: its dense family's packed documents in the fast tier, the rest here
     "models/test_hf_families.py::test_layer_keeps_its_estimate[[]gemma4*",
     "models/test_hf_gemma4.py::test_grouped_mm_experts_within_the_rule",
+    "models/test_hf_gemma4.py::test_an_image_in_the_input_within_the_rule",
     "models/test_hf_families.py::test_rule_state_save_load_generate[[]gemma4*",
     "models/test_hf_families.py::test_bfloat16_within_the_rule[[]gemma4*",
     "models/test_hf_families.py::test_no_matmul_is_repeated[[]gemma4*",

@@ -1,8 +1,8 @@
 """Gemma 4 specifics: non-trivial norm weights (w, not 1 + w) within the rule; what the converted text model does not
 reproduce (per-layer input embeddings, kv-shared layers, bidirectional attention over all tokens) is refused naming
 the setting before anything changes; in Gemma4ForConditionalGeneration the text model converts and the vision tower
-and its embedder stay transformers' own, said once; the experts' transformers default (grouped_mm) within the rule
-in float32 against eager's."""
+and its embedder stay transformers' own, said once, and an image in the input is within the rule; the experts'
+transformers default (grouped_mm) within the rule in float32 against eager's."""
 
 import copy
 import logging
@@ -14,7 +14,7 @@ from selective_ckpt import ConversionError, convert
 from selective_ckpt.models.patching import PATCHED
 from selective_ckpt.registry import recomputable_layers
 from tests.models.families import by_name
-from tests.models.hf_checks import assert_matches_reference, batch, triple
+from tests.models.hf_checks import VOCAB, assert_matches_reference, batch, triple
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,3 +83,19 @@ def test_norm_weights_scale_as_w():
     ref, plain, ours = triple(build)
     ids, mask = batch()
     assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
+
+
+def test_an_image_in_the_input_within_the_rule():
+    """One image of 4 x 4 patches (pooled 2 x 2: four image tokens) in a text of 17 tokens: the vision tower's
+    features scattered into the text by transformers, then the converted layers; logits and every gradient, the
+    vision tower's included, within the rule against float64."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB - 3, (1, 17), generator=g)
+    ids[0, 1:5] = VOCAB - 1  # the image token
+    pixels = torch.randn(1, 16, 3 * 8 * 8, generator=g)  # patchified: 16 patches of 8 x 8 x 3
+    positions = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1).reshape(1, 16, 2)
+    ref, plain, ours = triple(by_name("gemma4").build())
+    assert_matches_reference(ref, plain, ours, input_ids=ids, pixel_values=pixels, image_position_ids=positions)
+    ours.zero_grad()
+    ours(input_ids=ids, pixel_values=pixels, image_position_ids=positions, labels=ids).loss.backward()
+    assert ours.model.vision_tower.patch_embedder.input_proj.weight.grad.abs().sum() > 0
