@@ -48,11 +48,13 @@ def test_per_head_q_k_norms_keep_llamas_floor_plus_their_statistics():
     assert classes["qwen3"]["other"] == classes["llama"]["other"] + B * S * (H + HKV) * 4
 
 
-@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma3_text"])
-def test_rotated_q_k_are_not_kept(name):
+@pytest.mark.parametrize("name, kw", [("qwen3", {}), ("olmo2", {}), ("gemma3_text", {}),
+                                      ("glm4_moe", {"use_qk_norm": True})],
+                         ids=lambda x: x if isinstance(x, str) else "")
+def test_rotated_q_k_are_not_kept(name, kw):
     """What the ledger sees of q, k and v: the projection outputs the norms read and v (Llama's q/k/v bytes),
     nothing of the norms' or RoPE's outputs; and the layer keeps its estimate."""
-    model = _model(name, 1)
+    model = _model(name, 1, **kw)
     ids = _ids()
     report = memory.ledger(lambda i: model(input_ids=i).logits, ids, model=model)
     layer = next(n for n in report.by_layer if n != "-")
