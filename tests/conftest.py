@@ -57,6 +57,7 @@ SLOW = (
     "fit/test_fit.py::test_fit_check_measures_a_real_step_and_prints_the_prediction_beside_it",
     "fit/test_fit.py::test_longest_context_fits_and_a_longer_one_does_not",
     "fit/test_fit_cli.py::test_no_third_party_noise_on_stderr",
+    "fit/test_fit_cli.py::test_a_plan_that_does_not_fit_is_not_called_unmodelled",
     "fit/test_fit_longest.py::*",
     "fit/test_fit_policies.py::*",
     "fit/test_fit_planner.py::test_every_plan_runs_within_5_percent_of_its_prediction*",

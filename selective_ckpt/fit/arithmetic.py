@@ -75,6 +75,7 @@ class Variant:
     tokens_per_second: float = None
     modes: list = None
     error: str = None
+    unfit: bool = False  # the error says nothing fits the budgets (the variant is modelled; it does not fit)
 
 
 def _fits(peak, gpu_bytes):

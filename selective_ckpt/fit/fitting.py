@@ -124,7 +124,7 @@ def plan_at(proj, seq_len, gpu_bytes, host_bytes, rates):
     try:
         p = search(proj, seq_len, gpu_bytes, float("inf") if host_bytes is None else host_bytes, rates)
     except PlanError as err:
-        return None, Variant("ours plan", error=str(err))
+        return None, Variant("ours plan", error=str(err), unfit=True)
     v = p.variant
     v.step_seconds, v.tokens_per_second = p.step_seconds, p.tokens_per_second
     return p, v

@@ -67,8 +67,9 @@ def report(result, wide=False):
     errors = {}
     for name, v in rows:
         if v.error is not None:
-            errors.setdefault(v.error, []).append(name)
-    out += _wrap([f"{', '.join(names)}: not modelled: {error}" for error, names in errors.items()], wide)
+            errors.setdefault((v.error, v.unfit), []).append(name)
+    out += _wrap([f"{', '.join(names)}: {'' if unfit else 'not modelled: '}{error}"
+                  for (error, unfit), names in errors.items()], wide)
     if r.plan is not None:
         out += [""] + _wrap([f"the plan: {r.plan.describe()}" + (f", offload prefetch {r.plan.prefetch}" if
                                                                  r.plan.host_bytes else "")], wide)
@@ -95,7 +96,7 @@ def _table(r, rows, columns, peak):
     lines = [head1.rstrip(), head2]
     for name, v in rows:
         if v.error is not None:
-            lines.append(f"  {name:<{NAME}}not modelled (below)")
+            lines.append(f"  {name:<{NAME}}{'does not fit' if v.unfit else 'not modelled'} (below)")
             continue
         share = int(v.peak * ALLOCATOR_SHARE)
         cells = {"kept per": v.kept_per_layer, "kept outside": v.kept_outside, "loss head": v.head_transient,

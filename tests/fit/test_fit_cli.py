@@ -124,3 +124,21 @@ def test_the_answer_ends_with_the_calls_that_apply_it(cli):
     assert tail == "\n".join(lines[-len(tail.split("\n")):])
     assert "selective_ckpt.convert(model" in tail
     assert "activation_checkpointing=False" in tail and "bf16=True" in tail
+
+
+def test_a_plan_that_does_not_fit_is_not_called_unmodelled(tmp_path):
+    """Where no plan fits the budgets the plan row says it does not fit, and the line below says why without
+    calling the plan "not modelled" (that is for what the fit cannot simulate)."""
+    from transformers import LlamaConfig
+
+    from selective_ckpt.fit.report import report
+
+    path = tmp_path / "config.json"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048).to_json_file(path)
+    r = fit(str(path), 4 * MIB, seq_len=2048, form=TrainingForm("full"), host_bytes=0)
+    assert r.max_context["ours plan"] < 2048 and r.variants["ours plan"].unfit
+    text = report(r)
+    assert "ours plan                             does not fit (below)" in text
+    line = next(x for x in text.split("\n") if x.startswith("ours plan: "))
+    assert line.startswith("ours plan: no plan fits") and "not modelled" not in line
