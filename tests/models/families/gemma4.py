@@ -45,6 +45,7 @@ _GEMMA4 = {**_BASE, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_v
 
 FAMILIES = [
     Family("gemma4_text", _gemma4_config, transformers.Gemma4ForCausalLM, _GEMMA4,
+           dropout={"attention_dropout": 0.17},
            layer_kinds=(("full_attention", {"layer_types": ("full_attention",)}),),
            # full layers with their own head_dim; full layers whose v is k_proj's output (attention_k_eq_v) with
            # their own kv heads
@@ -61,6 +62,7 @@ _GEMMA4_MOE = {**_GEMMA4, "enable_moe_block": True, "num_experts": 4, "top_k_exp
 
 FAMILIES += [
     Family("gemma4_text_moe", _gemma4_config, transformers.Gemma4ForCausalLM, _GEMMA4_MOE, packed=False,
+           dropout={"attention_dropout": 0.17},
            lora_targets=("q_proj", "v_proj", "down_proj"),
            layer_kinds=(("full_attention", {"layer_types": ("full_attention",)}),)),
 ]
