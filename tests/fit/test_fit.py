@@ -130,11 +130,15 @@ def _quant_states(model):
     return out
 
 
-CASES = [pytest.param(f, form, marks=f.skips("fit")) for f in FAMILIES for form in FORMS]
+# ours in every form for every family; transformers' own model (whose simulation is the same for every family:
+# transformers' code, no conversion) in every form for Llama and in the commonest form for the others
+TRANSFORMERS_FORM = "lora dropout bf16 autocast"
+CASES = [pytest.param(f, form, variant, marks=f.skips("fit")) for f in FAMILIES for form in FORMS
+         for variant in ("transformers", "ours selective")
+         if variant != "transformers" or f.name == "llama" or form == TRANSFORMERS_FORM]
 
 
-@pytest.mark.parametrize("variant", ("transformers", "ours selective"))
-@pytest.mark.parametrize("family, form", CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("family, form, variant", CASES, ids=lambda x: str(x))
 def test_predicted_peak_within_5_percent(family, form, variant, tmp_path, record_property):
     config = _config(family)
     training = FORMS[form](family)
