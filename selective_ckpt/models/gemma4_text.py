@@ -31,6 +31,7 @@ from ..memory.estimate import MoE
 from .errors import ConversionError
 from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, check_children, config_shape, modules_of
 from .moe import check_experts, experts_forward
+from .patching import PATCHED
 
 # a MoE layer's own children (config.enable_moe_block: every layer holds them)
 _MOE_CHILDREN = (("router", "own"), ("experts", "own"), ("post_feedforward_layernorm_1", "norm"),
@@ -118,6 +119,8 @@ def _forward_of(cls):
 
 def attention_forward(self, *args, **kwargs):
     """Gemma4TextAttention's own forward, RoPE's outputs rebuilt in backward from the q/k norms' (rebuilt) outputs."""
+    if torch.compiler.is_compiling():  # no pipeline while dynamo traces (the compiled graph decides what it keeps)
+        return getattr(self, PATCHED)(*args, **kwargs)
     if "past_key_values" in kwargs and "cache" not in kwargs:  # the name its deprecation wrapper still takes
         kwargs["cache"] = kwargs.pop("past_key_values")
     return _forward_of(type(self))(self, *args, **kwargs)
