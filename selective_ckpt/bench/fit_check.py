@@ -207,4 +207,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..fit.configs import exit_code
+
+    sys.exit(exit_code(main, "python -m selective_ckpt.bench.fit_check"))

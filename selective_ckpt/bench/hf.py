@@ -386,4 +386,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main() == 1 else 0)

@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from .. import compat
+from ..fit.configs import require
 
 FORMS = ("fp32", "autocast", "lora", "qlora")
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 128, 64, 4, 2, 32
@@ -111,6 +112,7 @@ def main(argv=None):
             raise SystemExit(f"--forms: {f!r} is not one of {', '.join(FORMS)}")
     if args.rounds < 5:
         raise SystemExit(f"--rounds must be at least 5 (quantiles of the ratio), got {args.rounds}")
+    require("transformers", "peft", what="this benchmark")
     torch.set_num_threads(1)
     print(f"python tax: Llama hidden {HIDDEN}, {LAYERS} layers, {BATCH} x {SEQ} tokens, 1 thread, {args.rounds} "
           f"interleaved rounds; {cpu_model()}; torch {torch.__version__}", flush=True)
@@ -124,4 +126,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..fit.configs import exit_code
+
+    sys.exit(exit_code(main, "python -m selective_ckpt.bench.python_tax"))

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import sys
 from importlib import resources
 
 from .. import compat
@@ -23,6 +24,16 @@ def require(*packages, what="selective_ckpt.fit"):
             found = False
         if not found:
             raise MissingExtra(f"{what} needs {name}, which is not installed: {HF_EXTRA}")
+
+
+def exit_code(main, prog):
+    """Runs a command-line `main()` for its exit code; a missing extra is one line naming the line that installs it
+    (exit 1), not a traceback."""
+    try:
+        return main()
+    except MissingExtra as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
 
 # Published sizes (each model's config.json on its model card), as package data in bundled/: only what
 # the memory model reads.

@@ -142,3 +142,20 @@ def test_a_plan_that_does_not_fit_is_not_called_unmodelled(tmp_path):
     assert "ours plan                             does not fit (below)" in text
     line = next(x for x in text.split("\n") if x.startswith("ours plan: "))
     assert line.startswith("ours plan: no plan fits") and "not modelled" not in line
+
+
+@pytest.mark.parametrize("module, argv", [("selective_ckpt.bench.fit_check", ["Llama-3.1-8B"]),
+                                          ("selective_ckpt.bench.offload", ["Llama-3.1-8B"]),
+                                          ("selective_ckpt.bench.python_tax", []),
+                                          ("selective_ckpt.bench.hf", ["--quick"]),
+                                          ("selective_ckpt.fit.growth", ["Llama-3.1-8B"])])
+def test_every_entry_point_that_needs_transformers_names_the_extra(module, argv, monkeypatch, capsys):
+    import importlib
+
+    from selective_ckpt.fit.configs import exit_code
+
+    entry = importlib.import_module(module)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert exit_code(lambda: entry.main(argv), f"python -m {module}") == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "needs transformers" in err and 'pip install "selective_ckpt[hf]"' in err, err
