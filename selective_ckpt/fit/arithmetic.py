@@ -53,6 +53,8 @@ NOT_MODELLED = (
     "the step is simulated with PyTorch's CPU kernels: attention keeps what CPU SDPA's fused kernel keeps (q, k, "
     "v, output, logsumexp, the mask when there is one), as the GPU's flash and memory-efficient kernels do",
     "QLoRA bases are NF4 with one float32 absmax per 64 weights and bf16 compute (no double quantization)",
+    "a hybrid's Gated DeltaNet layers keep what transformers' torch fallback saves (its chunked recurrence in "
+    "float32); fla's kernels, which transformers runs on a GPU where they are installed, save other tensors",
     "transformers' activation checkpointing (gradient checkpointing) runs torch.utils.checkpoint(use_reentrant="
     "False) on every decoder layer",
 )
@@ -266,12 +268,7 @@ def _class_bytes(model, autocast):
     from ..registry import recomputable_layers
 
     layer = recomputable_layers(model)[-1]
-    try:
-        split = layer_estimate(layer, _CLASS_TOKENS, 1, autocast_dtype=autocast, breakdown="class")
-    except ValueError:  # a shape the estimate does not cover (a head_dim other than hidden / heads): the input
-        # alone, the residual stream in the weights' dtype, is known
-        weight = next(p for p in layer.parameters() if p.is_floating_point())
-        return {"input": model.config.hidden_size * weight.element_size()}
+    split = layer_estimate(layer, _CLASS_TOKENS, 1, autocast_dtype=autocast, breakdown="class")
     return {c: v["device"] / _CLASS_TOKENS for c, v in split.items() if c in keeping.CLASSES and v["device"]}
 
 
