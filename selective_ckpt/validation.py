@@ -128,13 +128,23 @@ GATED_ACTIVATIONS = {name: ACTIVATIONS[name] for name in GATED_LAYER_ACTIVATIONS
 
 
 def check_layer_shape(hidden_dim, num_heads, mlp_ratio=4.0, *, num_kv_heads=None, ffn_dim=None, norm="layernorm",
-                      activation="gelu", rope_theta=None, sliding_window=None):
+                      activation="gelu", rope_theta=None, sliding_window=None, head_dim=None):
     """(head_dim, num_kv_heads, ffn) of a decoder layer with these settings, or the error naming what does not fit.
 
     Shared by the layer's constructor and memory.estimate/plan, so estimates exist exactly for
-    layers that can be built. ffn_dim, when given, wins over mlp_ratio.
+    layers that can be built. ffn_dim, when given, wins over mlp_ratio. head_dim, when given, is the
+    attention's own head width (q is num_heads * head_dim wide, which need not be hidden_dim: gpt-oss,
+    Gemma); None: hidden_dim / num_heads.
     """
-    head_dim = check_heads(hidden_dim, num_heads)
+    derived = head_dim is None
+    if derived:
+        head_dim = check_heads(hidden_dim, num_heads)
+    else:
+        check_positive_int(hidden_dim, "hidden_dim")
+        check_positive_int(num_heads, "num_heads")
+        check_positive_int(head_dim, "head_dim")
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim {head_dim} is not supported: at most {MAX_HEAD_DIM}")
     if num_kv_heads is None:
         num_kv_heads = num_heads
     check_positive_int(num_kv_heads, "num_kv_heads")
@@ -149,7 +159,8 @@ def check_layer_shape(hidden_dim, num_heads, mlp_ratio=4.0, *, num_kv_heads=None
     if rope_theta is not None:
         check_positive_float(rope_theta, "rope_theta")
         if head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head dim, got hidden_dim / num_heads = {head_dim}")
+            got = f"hidden_dim / num_heads = {head_dim}" if derived else f"head_dim = {head_dim}"
+            raise ValueError(f"rotary embeddings need an even head dim, got {got}")
     if sliding_window is not None:
         check_positive_int(sliding_window, "sliding_window")
     return head_dim, num_kv_heads, ffn

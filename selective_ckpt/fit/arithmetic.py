@@ -268,12 +268,7 @@ def _class_bytes(model, autocast):
     from ..registry import recomputable_layers
 
     layer = recomputable_layers(model)[-1]
-    try:
-        split = layer_estimate(layer, _CLASS_TOKENS, 1, autocast_dtype=autocast, breakdown="class")
-    except ValueError:  # a shape the estimate does not cover (a head_dim other than hidden / heads): the input
-        # alone, the residual stream in the weights' dtype, is known
-        weight = next(p for p in layer.parameters() if p.is_floating_point())
-        return {"input": model.config.hidden_size * weight.element_size()}
+    split = layer_estimate(layer, _CLASS_TOKENS, 1, autocast_dtype=autocast, breakdown="class")
     return {c: v["device"] / _CLASS_TOKENS for c, v in split.items() if c in keeping.CLASSES and v["device"]}
 
 

@@ -16,7 +16,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
     """The layer's own constructor checks, so estimates exist exactly for layers that can be built.
 
     layer_kwargs: the layer's keyword-only shape arguments (num_kv_heads, ffn_dim, norm, activation,
-    rope_theta, sliding_window). Returns the MLP width.
+    rope_theta, sliding_window, head_dim). Returns the MLP width.
     """
     return check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)[2]
 
@@ -28,7 +28,7 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
-    activation, rope_theta, sliding_window (the last two change no byte). A Llama-style layer
+    activation, rope_theta, sliding_window (these two change no byte), head_dim. A Llama-style layer
     (norm="rmsnorm", gated activation) keeps, with D the head dim and Hkv the kv heads:
       selective: t*(h + (h + 2*Hkv*D) + h + h + 2f)*e  [x, q/k/v, o, x1, gate and up outputs]
                  + a*t*4 [lse] + 2*t*4 [one rstd per RMSNorm]
@@ -40,6 +40,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
       none:      t*(h + h + 3h + h + h + h + 2f)*e  [adds LN1, LN2 and GELU outputs] + the same lse and stats
       full:      t*h*e  [the layer input only]
       attention-kept: t*h*e + t*h*e + a*t*4  [the layer input, attention's output and logsumexp]
+    With an explicit `head_dim` D whose query width a*D is not h (gpt-oss, Gemma), q and attention's output
+    (o_proj's input) are a*D wide instead of h: q/k/v t*(a*D + 2*Hkv*D)*e, o t*a*D*e; x, x1, the norms' and
+    o_proj's outputs stay h wide.
     Dropout keeps an 8-byte seed tensor per site that is on (rates `dropout`, `attn_dropout` as in
     the layer, training): attention probabilities, proj output, MLP output; "full" keeps none.
     `breakdown=True` returns a dict of the parts (bytes) instead of the total.
@@ -121,14 +124,15 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     acc = 8 if dtype == torch.float64 else 4
     t = seq_len * batch
     h = hidden_dim
+    qw = num_heads * head_dim  # the query width: attention's output and o_proj's input (h unless head_dim is given)
     if recompute == "full":
         parts = {"x": t * h * er}
     elif recompute == "attention-kept" and mixer is not None:  # no attention op: its checkpoint caches nothing
         parts = {"x": t * h * er}
     elif recompute == "attention-kept":  # the checkpoint's input and the cached outputs of attention's forward
-        parts = {"x": t * h * er, "o": t * h * e, "lse": num_heads * t * acc}
+        parts = {"x": t * h * er, "o": t * qw * e, "lse": num_heads * t * acc}
     else:
-        parts = {"x": t * h * er, "qkv": t * (h + 2 * kv_heads * head_dim) * e, "o": t * h * e, "x1": t * h * er}
+        parts = {"x": t * h * er, "qkv": t * (qw + 2 * kv_heads * head_dim) * e, "o": t * qw * e, "x1": t * h * er}
         if residual == "parallel":
             del parts["x1"]
         if moe is not None:
@@ -351,8 +355,9 @@ def forward_flops(hidden_dim, num_heads, seq_len, batch, mlp_ratio=4, causal=Tru
     window = layer_kwargs.get("sliding_window")
     if window is not None and window < s:
         c = window / s  # each query attends at most `window` keys
-    matmul = 2 * t * h * ((h + 2 * kv_heads * head_dim) + h + mlp_mats * ffn)
-    attn = 2 * 2 * t * s * h * c + SOFTMAX_FLOPS * num_heads * t * s * c if attention else 0
+    qw = num_heads * head_dim
+    matmul = 2 * t * h * ((qw + 2 * kv_heads * head_dim) + qw + mlp_mats * ffn)
+    attn = 2 * 2 * t * s * qw * c + SOFTMAX_FLOPS * num_heads * t * s * c if attention else 0
     return int(matmul + attn + 2 * LN_FWD_FLOPS * t * h + GELU_FLOPS * t * ffn + 2 * t * h)
 
 

@@ -28,6 +28,7 @@ class LayerShape:
     norm: str = "layernorm"
     activation: str = "gelu"
     sliding_window: int = None
+    head_dim: int = None  # the attention's head width where heads x head_dim is not hidden_dim (gpt-oss, Gemma)
     # What converted Hugging Face layers of other forms keep (memory.estimate's keywords of the same names):
     # "parallel" layers keep no x1, "post-norm" ones their norms' inputs; qk_norm True (per head) or
     # "projection"; post_norms: Gemma's norms on the attention and MLP outputs.
@@ -48,7 +49,8 @@ class LayerShape:
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,
-                "activation": self.activation, "sliding_window": self.sliding_window}
+                "activation": self.activation, "sliding_window": self.sliding_window,
+                "head_dim": self.head_dim}
 
 
 class Plan(list):
@@ -95,7 +97,8 @@ def _layers_of(model_or_shape, num_layers):
             shape = LayerShape(**d)
         except TypeError as err:
             raise ValueError(f"model_or_shape dict: {err}; keys are hidden_dim, num_heads, mlp_ratio, dtype, "
-                             "causal, num_kv_heads, ffn_dim, norm, activation, sliding_window, num_layers") from None
+                             "causal, num_kv_heads, ffn_dim, norm, activation, sliding_window, head_dim, "
+                             "num_layers") from None
     else:
         raise TypeError("model_or_shape must be a model holding SelectiveDecoderLayers, a LayerShape or a dict "
                         f"with hidden_dim, num_heads, num_layers (...), got {type(model_or_shape).__name__}")

@@ -350,18 +350,17 @@ def mlp_child(spec):
 def config_shape(layer, config, spec):
     """LayerShape fields of a decoder layer from the model's config: hidden_size, num_attention_heads,
     num_key_value_heads, intermediate_size (or GPT-2's n_inner, 4 h by default), the attention's
-    head_dim and sliding_window."""
+    head_dim (given only where heads x head_dim is not hidden_size) and sliding_window."""
     attn = getattr(layer, _child_of_role(spec, "attention"))
     h, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(attn, "head_dim", h // heads)
-    if head_dim * heads != h:
-        raise ValueError(f"{type(layer).__name__}: head_dim {head_dim} x {heads} heads != hidden_size {h}; memory "
-                         "estimates cover layers with head_dim = hidden / heads only")
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     kv = getattr(config, "num_key_value_heads", None) or heads
     fields = dict(hidden_dim=h, num_heads=heads, num_kv_heads=kv, ffn_dim=ffn, mlp_ratio=ffn / h, norm=spec.norm.kind,
                   activation=layer_activation(layer, spec),
                   sliding_window=getattr(attn, "sliding_window", None) or None)
+    if head_dim * heads != h:
+        fields["head_dim"] = head_dim
     if spec.qk_norm:
         fields["qk_norm"] = spec.qk_norm  # the q/k norms keep their inputs and statistics (memory.estimate)
     if spec.residual == "sandwich":

@@ -32,6 +32,9 @@ GLM4_MOE = {**_BASE, "head_dim": 16, "intermediate_size": 80, "moe_intermediate_
 # window, which routing changes in other rows' expert matmuls move: tests/models/test_hf_gpt_oss.py checks it
 GPT_OSS = {**_BASE, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
            "sliding_window": 5}
+# the estimate check also at a query width other than the hidden size, as the real models have (gpt-oss-20b: 64
+# heads x 64 over 2880; GLM-4.5-Air: 96 x 128 over 4096): 4 heads x 24 over 64
+_WIDE_QUERY = (("", {}), ("head_dim 24", {"head_dim": 24}))
 
 FAMILIES = [
     Family("mixtral", transformers.MixtralConfig, transformers.MixtralForCausalLM, MIXTRAL,
@@ -47,13 +50,14 @@ FAMILIES = [
     # "shared_experts.down_proj") for the experts' fused parameters in this model type, so LoRA targets attention
     Family("glm4_moe", transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, GLM4_MOE,
            packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
-           variants=(("qk-norms", dict(use_qk_norm=True)),),
+           variants=(("qk-norms", dict(use_qk_norm=True)),), layer_kinds=_WIDE_QUERY,
            skip={"aux_loss": "Glm4MoeForCausalLM computes no load-balancing loss"}),
     # the clamped SwiGLU's limit inside the tiny model's range (its default 7 is never reached there)
     Family("gpt_oss", transformers.GptOssConfig, transformers.GptOssForCausalLM, GPT_OSS,
            packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
            heads=(transformers.GptOssForSequenceClassification, transformers.GptOssForTokenClassification),
            variants=(("clamped", dict(swiglu_limit=0.05)),), dropout=dict(attention_dropout=0.1),
+           layer_kinds=_WIDE_QUERY,
            skip={"fit": "the fit's simulated step runs transformers' eager experts of the concatenated, untransposed "
                         "layout; gpt-oss's are interleaved, transposed and biased",
                  "packed": "transformers' own gpt-oss does not keep documents packed by position_ids apart (its "
