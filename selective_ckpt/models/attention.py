@@ -542,13 +542,15 @@ def _tile_attention(module, name, tile, query, key, value, attention_mask, dropo
 # Llama's q/k/v bytes (the projection outputs and v) plus the norms' statistics.
 
 _ROPE = "apply_rotary_pos_emb"
-_REBUILDING_FORWARDS = {}  # attention class -> its transformers forward with RoPE's outputs registered
+_REBUILDING_FORWARDS = {}  # (attention class, wrap) -> its transformers forward with RoPE's outputs registered
 
 
-def _forward_rebuilding_rope(cls):
+def forward_with_rope(cls, wrap):
     """cls.forward as transformers defines it (its deprecation wrapper unwrapped), with its module's
-    apply_rotary_pos_emb replaced by one whose outputs are registered to be rebuilt (_rotated)."""
-    forward = _REBUILDING_FORWARDS.get(cls)
+    apply_rotary_pos_emb replaced by wrap(apply_rotary_pos_emb) (one whose outputs are registered to be rebuilt);
+    ConversionError where the forward calls no such function."""
+    key = (cls, wrap)
+    forward = _REBUILDING_FORWARDS.get(key)
     if forward is None:
         raw = inspect.unwrap(cls.forward)
         rope = getattr(raw, "__globals__", {}).get(_ROPE)
@@ -556,11 +558,15 @@ def _forward_rebuilding_rope(cls):
             raise ConversionError(f"{cls.__name__}.forward does not rotate q and k by its module's {_ROPE}; its q/k "
                                   "norms' outputs cannot be rebuilt through RoPE")
         namespace = dict(raw.__globals__)
-        namespace[_ROPE] = _Rotated(rope)
+        namespace[_ROPE] = wrap(rope)
         forward = types.FunctionType(raw.__code__, namespace, raw.__name__, raw.__defaults__, raw.__closure__)
         forward.__kwdefaults__ = raw.__kwdefaults__
-        _REBUILDING_FORWARDS[cls] = forward
+        _REBUILDING_FORWARDS[key] = forward
     return forward
+
+
+def _forward_rebuilding_rope(cls):
+    return forward_with_rope(cls, _Rotated)
 
 
 def check_rope_rebuild(module, name):

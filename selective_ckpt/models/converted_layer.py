@@ -201,7 +201,8 @@ class ConvertedLayerState:
     def __getstate__(self):
         state = dict(self.__dict__)
         state["engine"] = None  # streams and pinned host memory belong to a process: set_recompute makes anew
-        state["seen"], state["patched"] = None, ()  # weak references do not travel: the copy looks again at its first call
+        # weak references do not travel: the copy looks again at its first call
+        state["seen"], state["patched"] = None, ()
         state["cast_memo"], state["cast_key"] = {}, None
         return state
 

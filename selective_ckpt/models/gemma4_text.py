@@ -21,13 +21,12 @@ layers sharing another layer's keys and values (num_kv_shared_layers > 0), bidir
 (use_bidirectional_attention="all"; "vision" keeps the text model causal)."""
 
 import dataclasses
-import inspect
-import types
 
 import torch
 
 from ..keeping import pipeline
 from ..memory.estimate import MoE
+from .attention import forward_with_rope
 from .errors import ConversionError
 from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, check_children, config_shape, modules_of
 from .moe import check_experts, experts_forward
@@ -79,10 +78,6 @@ def check_gemma4(root, name):
 # outputs, which attention keeps, are rebuilt too, by the same function on the same bits. A layer then keeps its
 # projections' outputs (the norms' inputs) for q, k and v, as a Llama layer keeps q, k and v.
 
-_ROPE = "apply_rotary_pos_emb"
-_FORWARDS = {}  # attention class -> its transformers forward with RoPE's output registered to be rebuilt
-
-
 def _rebuilt_rope(rope):
     def rotate(x, *args, **kwargs):
         out = rope(x, *args, **kwargs)
@@ -100,21 +95,8 @@ def _with_kwargs(rope, kwargs, x, *args):
 
 
 def _forward_of(cls):
-    """cls.forward as transformers defines it (its deprecation wrapper unwrapped) with its module's
-    apply_rotary_pos_emb replaced by _rebuilt_rope's; ConversionError where the forward calls no such function."""
-    forward = _FORWARDS.get(cls)
-    if forward is None:
-        raw = inspect.unwrap(cls.forward)
-        rope = getattr(raw, "__globals__", {}).get(_ROPE)
-        if rope is None or _ROPE not in raw.__code__.co_names:
-            raise ConversionError(f"{cls.__name__}.forward does not rotate q and k by its module's {_ROPE}; their "
-                                  "norms' outputs cannot be rebuilt through RoPE")
-        namespace = dict(raw.__globals__)
-        namespace[_ROPE] = _rebuilt_rope(rope)
-        forward = types.FunctionType(raw.__code__, namespace, raw.__name__, raw.__defaults__, raw.__closure__)
-        forward.__kwdefaults__ = raw.__kwdefaults__
-        _FORWARDS[cls] = forward
-    return forward
+    """cls.forward as transformers defines it, apply_rotary_pos_emb replaced by _rebuilt_rope's."""
+    return forward_with_rope(cls, _rebuilt_rope)
 
 
 def attention_forward(self, *args, **kwargs):

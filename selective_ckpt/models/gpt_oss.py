@@ -28,12 +28,16 @@ from .moe import (
     _records,
     _routes,
     _token_sums,
+    check_expert_layout,
     grouped_mm_op,
     implementation_of,
 )
 from .patches import mlp_tiles, tiled_forward
 
 _BLOCK, _EXPERTS, _ROUTER = "GptOssMLP", "GptOssExperts", "GptOssTopKRouter"
+# gpt-oss's experts as transformers declares them: [gate, up] interleaved, transposed, with biases
+_LAYOUT = {"has_gate": True, "has_bias": True, "is_transposed": True, "is_concatenated": False,
+           "has_post_expert_norm": False}
 
 
 def _acc(t):
@@ -134,7 +138,8 @@ def experts_forward(self, hidden_states, router_indices, routing_weights):
     impl = implementation_of(self)
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"{type(self).__name__}: experts implementation {impl!r} is not supported by selective_ckpt "
-                         f"(supported: {', '.join(IMPLEMENTATIONS)}); set config._experts_implementation to one")
+                         f"(supported: {', '.join(IMPLEMENTATIONS)}); choose one with "
+                         "model.set_experts_implementation(...)")
     reduce, rule = IMPLEMENTATIONS[impl]
     device_type = hidden_states.device.type
     dtype = self.gate_up_proj.dtype if rule == "weight" else (_autocast_dtype(device_type) or hidden_states.dtype)
@@ -175,21 +180,8 @@ class GptOssMoESpec(MoESpec):
             raise ConversionError(f"{name} (model type {model_type!r}): experts {type(block.experts).__name__} and "
                                   f"router {type(block.router).__name__} must be {_EXPERTS} and {_ROUTER}")
         experts = block.experts
-        impl = implementation_of(experts)
-        if impl not in IMPLEMENTATIONS:
-            raise ConversionError(f"{name}.experts: experts implementation {impl!r} cannot be converted "
-                                  f"(selective_ckpt reproduces {', '.join(IMPLEMENTATIONS)}); load the model with "
-                                  "experts_implementation='grouped_mm' or 'eager'")
-        flags = {"has_gate": True, "has_bias": True, "is_transposed": True, "is_concatenated": False,
-                 "has_post_expert_norm": False}
-        wrong = [f"{f}={getattr(experts, f, None)!r}" for f, want in flags.items()
-                 if getattr(experts, f, want) != want]
-        if compat.is_expert_parallel(experts):
-            wrong.append("expert parallelism")
-        if wrong:
-            raise ConversionError(f"{name}.experts with {', '.join(wrong)} cannot be converted; selective_ckpt "
-                                  "converts gpt-oss's interleaved, transposed, biased experts without post-norm or "
-                                  "expert parallelism")
+        check_expert_layout(experts, f"{name}.experts", _LAYOUT, "gpt-oss's interleaved, transposed, biased "
+                            "experts without post-norm or expert parallelism")
         gate = compat.expert_gate(experts)
         if gate is not None and gate.__qualname__ != f"{_EXPERTS}._apply_gate":
             raise ConversionError(f"{name}.experts: a gate other than {_EXPERTS}._apply_gate cannot be converted")

@@ -289,22 +289,31 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
                                    kernel, reduce, dtype)
 
 
-def check_experts(experts, name):
-    """ConversionError unless `experts` is a layout and implementation experts_forward reproduces."""
+# the layout transformers' experts modules declare by flags, as experts_forward reproduces it
+CONCATENATED_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                       "has_post_expert_norm": False}
+
+
+def check_expert_layout(experts, name, layout, described):
+    """ConversionError unless `experts` runs an implementation we reproduce, declares `layout` ({flag: value}) and
+    runs without expert parallelism; `described` names the layout that converts."""
     impl = implementation_of(experts)
     if impl not in IMPLEMENTATIONS:
         raise ConversionError(f"{name}: experts implementation {impl!r} cannot be converted (selective_ckpt "
                               f"reproduces {', '.join(IMPLEMENTATIONS)}); load the model with "
                               "experts_implementation='grouped_mm' or 'eager'")
-    flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-             "has_post_expert_norm": False}
-    wrong = [f"{f}={getattr(experts, f, None)!r}" for f, want in flags.items() if getattr(experts, f, want) != want]
+    wrong = [f"{f}={getattr(experts, f, None)!r}" for f, want in layout.items() if getattr(experts, f, want) != want]
     if compat.is_expert_parallel(experts):
         wrong.append("expert parallelism")
     if wrong:
         raise ConversionError(f"{name}: experts with {', '.join(wrong)} cannot be converted; selective_ckpt converts "
-                              "concatenated [gate; up] experts without bias, transposition, post-norm or expert "
-                              "parallelism")
+                              f"{described}")
+
+
+def check_experts(experts, name):
+    """ConversionError unless `experts` is a layout and implementation experts_forward reproduces."""
+    check_expert_layout(experts, name, CONCATENATED_LAYOUT, "concatenated [gate; up] experts without bias, "
+                        "transposition, post-norm or expert parallelism")
     if compat.has_own_expert_gating(experts):
         raise ConversionError(f"{name}: experts with their own gating ({type(experts).__name__}._apply_gate) cannot "
                               "be converted")
