@@ -189,9 +189,9 @@ def main(argv=None):
     if args.layers < 2:
         ap.error("--layers must be at least 2 (bytes per layer are all layers minus one)")
 
-    # PEFT still reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning per model); nothing in
-    # this script uses the old name
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # PEFT still reads the deprecated name of transformers' `is_activation_checkpointing` (a FutureWarning per
+    # model); nothing in this script uses the old name
+    warnings.filterwarnings("ignore", message=".*Use `is_activation_checkpointing` instead", category=FutureWarning)
     data = load_bytes()
     print(f"text: {len(data)} bytes; Llama: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, "
           f"{args.heads} heads / {args.kv_heads} kv heads; {'QLoRA (4-bit NF4 base)' if args.qlora else 'LoRA'} "
