@@ -149,7 +149,8 @@ def build(config, num_layers, form):
 
     cfg = config.__class__.from_dict(config.to_dict())
     cfg.num_hidden_layers = num_layers
-    if getattr(cfg, "layer_types", None) is not None:
+    # (a config whose layer_types follow num_hidden_layers, a property without a setter, has them already: Falcon-H1)
+    if getattr(cfg, "layer_types", None) is not None and len(cfg.layer_types) != num_layers:
         cfg.layer_types = list(cfg.layer_types)[:num_layers]
     attention = compat.requested_attention_implementation(config)
     compat.set_requested_attention_implementation(cfg, None)  # transformers picks its default for the model type

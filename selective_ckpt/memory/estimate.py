@@ -99,6 +99,8 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     `mixer` (memory.Mixer): the layer holds a token mixer kept as transformers' own (a Gated DeltaNet) instead
     of attention: no q/k/v, o or lse; the mixer's own saved bytes instead (its input, the first norm's output,
     is rebuilt under "selective" and kept under "none" as ln1_out). "full" and "attention-kept" keep x only.
+    A mixer with `attention=True` runs beside the attention on the same normed input (Falcon-H1): attention's
+    parts stay, plus the normed input times a number that q/k/v read (t*h*e; one cast each under autocast).
     """
     check_residual(residual, norms)
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
@@ -127,7 +129,7 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     qw = num_heads * head_dim  # the query width: attention's output and o_proj's input (h unless head_dim is given)
     if recompute == "full":
         parts = {"x": t * h * er}
-    elif recompute == "attention-kept" and mixer is not None:  # no attention op: its checkpoint caches nothing
+    elif recompute == "attention-kept" and mixer is not None and not mixer.attention:  # no attention op: nothing cached
         parts = {"x": t * h * er}
     elif recompute == "attention-kept":  # the checkpoint's input and the cached outputs of attention's forward
         parts = {"x": t * h * er, "o": t * qw * e, "lse": num_heads * t * acc}
@@ -142,8 +144,11 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         else:
             parts["fc1_out"] = t * ffn * em
         parts["lse"] = num_heads * t * acc
-        if mixer is not None:
+        if mixer is not None and mixer.attention:  # q/k/v read the normed input times a number: that product
+            parts["attn_in"] = (3 if er != e else 1) * t * h * e  # (autocast: each projection's own cast)
+        elif mixer is not None:
             del parts["qkv"], parts["o"], parts["lse"]
+        if mixer is not None:
             parts["mixer"] = mixer.kept(seq_len, batch, as_dtype(residual_dtype) if residual_dtype else dtype, dtype)
         if norm_stats:
             parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * norms * t * acc
@@ -327,6 +332,7 @@ class Mixer:
 
     name: str
     saved: object
+    attention: bool = False  # the layer runs attention beside it (Falcon-H1), not instead of it
 
     def __post_init__(self):
         if not callable(self.saved):

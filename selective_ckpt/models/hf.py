@@ -88,6 +88,7 @@ class MixerSpec:
 
     cls: str  # the mixer's class name
     why: str  # why it is kept as it is, for the line said at convert
+    beside_attention: bool = False  # every layer holds it and its attention, both run (Falcon-H1), not one of them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,10 +250,11 @@ def plan(root, spec, model_type):
     for lname, layer in layers:
         check_children(layer, lname, [c for c, _ in spec.children], model_type)
         held = [c for c, role in spec.children if role in mixers and c in layer._modules]
-        if mixers and len(held) != 1:
+        if mixers and len(held) != (2 if spec.mixer.beside_attention else 1):
             names = [c for c, role in spec.children if role in mixers]
             raise ConversionError(f"{lname} ({type(layer).__name__}, model type {model_type!r}) holds {held or 'none'} "
-                                  f"of its token mixers {names}; a converted layer holds exactly one")
+                                  f"of its token mixers {names}; a converted layer holds "
+                                  f"{'both' if spec.mixer.beside_attention else 'exactly one'}")
         for child, role in spec.children:
             if role in mixers and child not in held:
                 continue
@@ -426,8 +428,8 @@ def _say_mixers(root, spec, layers, names):
         logging.getLogger("selective_ckpt").info(
             f"selective_ckpt: {type(root).__name__} (model type {getattr(root.config, 'model_type', None)!r}): "
             f"decoder layers {', '.join(str(i) for i, _ in held)} of {len(layers)} keep their {child} "
-            f"({spec.mixer.cls}) as transformers' own, and what it saves for backward: {spec.mixer.why}; their norms "
-            "and MLP convert")
+            f"({spec.mixer.cls}) as transformers' own, and what it saves for backward: {spec.mixer.why}; their "
+            f"{'attention, ' if spec.mixer.beside_attention else ''}norms and MLP convert")
 
 
 def _say_left_as_is(root, spec, part):

@@ -147,7 +147,7 @@ class _Held:
 def _run_fake(mixer, seq_len, batch, dtype, compute_dtype):
     """Bytes of the distinct storages the graph behind the mixer's output still holds after its forward: saved
     by a node the output reaches (a branch whose result is dropped, such as the final recurrent state, frees its
-    nodes and what they saved), its input and parameters excluded."""
+    nodes and what they saved), its input, parameters and buffers excluded."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = next(mixer.parameters()).device
@@ -164,11 +164,13 @@ def _run_fake(mixer, seq_len, batch, dtype, compute_dtype):
         params = {n: mode.from_tensor(p) for n, p in mixer.named_parameters()}
         for n, p in mixer.named_parameters():
             params[n].requires_grad_(p.requires_grad)
+        # buffers (Falcon-H1's MuP vector) are the module's, allocated before any forward, as its parameters are
+        buffers = {n: mode.from_tensor(b) for n, b in mixer.named_buffers()}
         x = torch.empty(batch, seq_len, mixer.hidden_size, dtype=dtype, device=device, requires_grad=True)
         autocast = torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != dtype)
         with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor):
-            y = torch.func.functional_call(mixer, params, (x,))
-        skip = {storage_id(p) for p in params.values()} | {storage_id(x)}
+            y = torch.func.functional_call(mixer, {**params, **buffers}, (x,))
+        skip = {storage_id(p) for p in (*params.values(), *buffers.values())} | {storage_id(x)}
         alive = {sid: nbytes for ref, sid, nbytes in held if ref() is not None and sid not in skip}
         alive.update(_unhooked(y, skip | {sid for _, sid, _ in held}))
         del y
