@@ -50,6 +50,19 @@ def test_gelu_mlp_weight_only_double_backward_is_refused():
         torch.autograd.grad(g.pow(2).sum(), w2)
 
 
+def test_converted_models_gelu_node_double_backward_is_refused_not_wrong():
+    """The GELU activation a converted model's MLP runs (models/patches.gelu, its output rebuilt in backward) refuses
+    a second derivative by name, as its siblings do, and its first-order gradient under create_graph is right."""
+    from selective_ckpt.models.patches import gelu
+
+    h = _leaf(3, 7, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=f"selective_ckpt.models.patches.gelu {DOUBLE_BACKWARD}"):
+        _penalty(lambda h: gelu(h, "tanh"), (h,))
+    (got,) = torch.autograd.grad(gelu(h, "tanh").pow(2).sum(), h, create_graph=True)
+    (want,) = torch.autograd.grad(F.gelu(h, approximate="tanh").pow(2).sum(), h)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("op", ["layer_norm", "attention", "norm_linear", "norm_mlp", "layer"])
 def test_double_backward_refused_naming_the_op(op, backend):
     torch.manual_seed(0)

@@ -109,6 +109,7 @@ class _GELU(torch.autograd.Function):
         return gelu_op(h, approximate)
 
     @staticmethod
+    @first_order_only("selective_ckpt.models.patches.gelu")
     def backward(ctx, da):
         (h,) = ctx.saved_tensors
         dh = da.contiguous().clone()
