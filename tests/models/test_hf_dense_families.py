@@ -141,7 +141,10 @@ def test_estimate_of_the_other_forms():
     assert "norm_stats" not in olmo2
     assert olmo2["attn_out"] == olmo2["mlp_out"] == t * h * 4
     assert olmo2["qk_norm_in"] == t * (h + kv) * 4
-    assert sum(olmo2.values()) == sum(llama.values()) - llama["norm_stats"] + t * (2 * h + h + kv) * 4
+    # q/k/v: v alone, the rotated q and k rebuilt from the norms' inputs (kept above): Llama's bytes in all, less
+    # the norms' statistics, plus the post-norms' two inputs
+    assert olmo2["qkv"] == t * kv * 4
+    assert sum(olmo2.values()) == sum(llama.values()) - llama["norm_stats"] + t * 2 * h * 4
     none = estimate(h, 4, 24, 2, torch.float32, recompute="none", **kw, residual="post-norm", breakdown=True)
     assert "ln1_out" not in none and none["product"] == t * 112 * 4  # no post-norm output is saved by a consumer
     assert estimate(h, 4, 24, 2, torch.float32, **kw, scalar_multipliers=2) == sum(llama.values()) + 16
