@@ -40,6 +40,7 @@ from .. import compat, rng
 from ..keeping import layer_tiles, pipeline
 from ..ops.attention import attention
 from ..storages import is_fake, storage_bytes, storage_id
+from . import chunked_attention
 from .errors import ConversionError
 from .patching import PATCHED
 
@@ -129,13 +130,9 @@ def _allowed(mask, name):
     return allowed
 
 
-def describe_mask(mask, batch, seq, window, name, heads=1):
-    """(key_padding_mask [B, S] bool or None, cu_seqlens int32 or None) reproducing a causal 4-D mask.
-
-    Rows with nothing to attend (padded queries) may hold anything: their outputs feed nothing real.
-    A mask of the wrong shape or type is a ConversionError; a valid one that is neither causal + key
-    padding nor causal packed documents raises Inexpressible (a ConversionError).
-    """
+def allowed_mask(mask, batch, seq, name, heads=1):
+    """[B, S, S] bool (True = attend) of a [B or 1, 1 or H, S, S] mask the same for every head; ConversionError for
+    another shape or type, Inexpressible for one that differs between heads."""
     if (mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads)
             or tuple(mask.shape[-2:]) != (seq, seq)):
         raise ConversionError(f"{name}: attention_mask of shape {list(mask.shape)} is not [B, 1, S, S] for B={batch}, "
@@ -144,7 +141,17 @@ def describe_mask(mask, batch, seq, window, name, heads=1):
     if not bool((allowed == allowed[:, :1]).all()):
         raise Inexpressible(f"{name}: attention_mask differs between heads; only causal + key padding or packed "
                             "documents are supported")
-    allowed = allowed[:, 0]
+    return allowed[:, 0]
+
+
+def describe_mask(mask, batch, seq, window, name, heads=1):
+    """(key_padding_mask [B, S] bool or None, cu_seqlens int32 or None) reproducing a causal 4-D mask.
+
+    Rows with nothing to attend (padded queries) may hold anything: their outputs feed nothing real.
+    A mask of the wrong shape or type is a ConversionError; a valid one that is neither causal + key
+    padding nor causal packed documents raises Inexpressible (a ConversionError).
+    """
+    allowed = allowed_mask(mask, batch, seq, name, heads)
     # every unpadded query attends itself; a copy, so that the [B, S] result does not hold the [B, S, S] mask
     pad = allowed.diagonal(dim1=-2, dim2=-1).contiguous()
     idx = torch.arange(seq, device=mask.device)
@@ -205,17 +212,18 @@ def _traced_describe(mask, batch, seq, window, name, heads):
     return pad, None
 
 
-def _cached_describe(mask, batch, seq, window, name, heads):
-    """describe_mask, once per mask for all layers; an Inexpressible mask stays so for every layer."""
+def _cached_describe(mask, batch, seq, window, name, heads, describe=describe_mask):
+    """describe(mask, batch, seq, window, name, heads) (describe_mask, or a chunked layer's segments with the chunk
+    as its window), once per mask for all layers; an Inexpressible mask stays so for every layer."""
     if torch.compiler.is_compiling():
         return _traced_describe(mask, batch, seq, window, name, heads)
     if mask.is_inference():
-        return describe_mask(mask, batch, seq, window, name, heads)
+        return describe(mask, batch, seq, window, name, heads)
     last = _LAST[0]
-    key = (mask._version, batch, seq, window, heads)
+    key = (mask._version, batch, seq, window, heads, describe)
     if last is None or last[0]() is not mask or last[1] != key:
         try:
-            result = describe_mask(mask, batch, seq, window, name, heads)
+            result = describe(mask, batch, seq, window, name, heads)
         except Inexpressible as e:
             result = _Refused(str(e))  # the message only: a traceback would keep this forward's tensors
         last = _LAST[0] = (weakref.ref(mask, _forget), key, result)
@@ -447,6 +455,11 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
         return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if not causal:
         raise ConversionError(f"{name}: only causal self-attention is supported")
+    chunk = chunked_attention.chunk_size(module)
+    if chunk is not None:
+        chunked = _chunked(module, name, chunk, query, key, value, attention_mask, dropout, scaling, kwargs)
+        if chunked is not None:
+            return chunked
     window = kwargs.get("sliding_window") or None
     pad = cu = None
     # a fake mask (selective_ckpt.fit's simulated step, whose batch has no padding) has no values to describe;
@@ -482,6 +495,42 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     return o.transpose(1, 2), None
 
 
+def _chunk_segments(mask, batch, seq, chunk, name, heads):
+    return chunked_attention.segments(mask, batch, seq, chunk, name, heads)
+
+
+def _chunked(module, name, chunk, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """A chunked-attention layer's call (models/chunked_attention.py): (o, None), or None where it is plain causal
+    attention, which the caller runs as an unchunked layer's (a fake mask: the same bytes kept)."""
+    if dropout > 0:
+        raise ValueError(f"{name}: attention dropout ({dropout}) on a chunked attention layer is not supported; set "
+                         "attention_dropout=0")
+    B, H, S, _ = query.shape
+    documents = _cu_seqlens(kwargs, name)
+    if torch.compiler.is_compiling():
+        _warn_once("chunked-compile", f"{name}: under torch.compile a chunked attention layer runs transformers' SDPA "
+                                      "attention, keeping what SDPA keeps (warned once)")
+        return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, None, **kwargs)
+    if attention_mask is not None and is_fake(attention_mask):
+        return None
+    if attention_mask is None:
+        cu = chunked_attention.segments(None, B, S, chunk, name, H, documents, query.device)
+    else:
+        try:
+            cu = _cached_describe(attention_mask, B, S, chunk, name, H, describe=_chunk_segments)
+        except Inexpressible as e:
+            _warn_once("mask", f"{e}: such calls run transformers' SDPA attention with the mask as given, keeping "
+                               "what SDPA keeps (warned once)")
+            return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, None, **kwargs)
+        if documents is not None and (cu is None or not bool(torch.isin(documents, cu).all())):
+            raise ConversionError(f"{name}: cu_seq_lens_q disagrees with the documents of the attention mask")
+    if cu is None:
+        return None
+    dtype = _compute_dtype(query)
+    query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype))
+    return chunked_attention.attend(query, key, value, cu, scaling), None
+
+
 def _documents_before(cu, end):
     """cu_seqlens of the keys [0, end): the document offsets below `end`, then `end`."""
     return torch.cat([cu[cu < end], torch.tensor([end], dtype=cu.dtype, device=cu.device)])
@@ -497,6 +546,10 @@ def _tile_attention(module, name, tile, query, key, value, attention_mask, dropo
                          "without layer_tiles for calls that ask for them")
     if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
         raise ValueError(f"{name}: layer_tiles needs causal self-attention")
+    if chunked_attention.chunk_size(module) is not None:
+        raise ValueError(f"{name}: a chunked attention layer (attention_chunk_size="
+                         f"{chunked_attention.chunk_size(module)}) cannot run in query tiles (layer_tiles); use a "
+                         "policy without layer_tiles for this model")
     B, H, Sq, _ = query.shape
     if Sq != tile.end - tile.start or key.shape[2] != Sq:
         raise ValueError(f"{name}: layer_tiles needs self-attention over the tile's own tokens (Sq = Sk = "

@@ -42,6 +42,7 @@ ROLES = ("norm", "attention", "mlp", "dropout", "mixer", "own")
 # is chunked into gate and up (Phi-3)
 MLP_LAYOUTS = ("gate_up", "fc", "packed_gate_up")
 GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.swiglu_mlp_forward reads
+GATE_UP_ACTIVATION_FN_CHILDREN = GATE_UP_CHILDREN[:3] + ("activation_fn",)  # the same, as Llama 4 names them
 PACKED_GATE_UP_CHILDREN = ("gate_up_proj", "down_proj", "activation_fn")  # patches.packed_gate_up_mlp_forward
 _ACTIVATION_CHILD = {"gate_up": 3, "fc": 1, "packed_gate_up": 2}  # index of the activation in MLPSpec.children
 # Residual forms the driver converts. Patching leaves the layer's own forward in place, so any form
@@ -125,8 +126,10 @@ class ModelSpec:
             raise ValueError(f"model spec {self.model_types}: a child of role 'mixer' and ModelSpec.mixer go together")
         if any(role == "dropout" for _, role in self.children) and not self.dropout:
             raise ValueError(f"model spec {self.model_types}: a layer with dropout children needs dropout=True")
-        if self.mlp.layout == "gate_up" and tuple(self.mlp.children) != GATE_UP_CHILDREN:
-            raise ValueError(f"model spec {self.model_types}: a gate_up MLP has the children {GATE_UP_CHILDREN}")
+        if self.mlp.layout == "gate_up" and tuple(self.mlp.children) not in (GATE_UP_CHILDREN,
+                                                                             GATE_UP_ACTIVATION_FN_CHILDREN):
+            raise ValueError(f"model spec {self.model_types}: a gate_up MLP has the children {GATE_UP_CHILDREN} "
+                             f"or {GATE_UP_ACTIVATION_FN_CHILDREN}")
         if self.mlp.layout == "packed_gate_up" and tuple(self.mlp.children) != PACKED_GATE_UP_CHILDREN:
             raise ValueError(f"model spec {self.model_types}: a packed_gate_up MLP has the children "
                              f"{PACKED_GATE_UP_CHILDREN}")
