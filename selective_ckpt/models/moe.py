@@ -235,8 +235,9 @@ class RoutedExperts(torch.autograd.Function):
             if need_x or (need_w and scaled):
                 drows = grouped_mm_op(dpart, gate_up.to(dtype), ends)
                 if need_w and scaled:  # the weight multiplies the input row: dL/dw_r = drows_r . x_t
-                    dw = torch.empty(order.shape, dtype=torch.float32, device=x.device)
-                    dw[order] = (drows.float() * x[tok].float()).sum(dim=-1)
+                    acc = torch.promote_types(drows.dtype, torch.float32)  # float32, or float64 for float64
+                    dw = torch.empty(order.shape, dtype=acc, device=x.device)
+                    dw[order] = (drows.to(acc) * x[tok].to(acc)).sum(dim=-1)
                     dweights = dw.to(weights.dtype).view(weights.shape)
                 if need_x:
                     drows = drows * w if scaled else drows
