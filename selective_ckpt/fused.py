@@ -5,7 +5,7 @@ The norm is LayerNorm (affine, with or without bias; keeps x, mean, rstd) or RMS
 
 - `norm_linear(...)`: one or several Linears reading the norm output (q, k, v as one or three);
 - `norm_mlp(...)`: an MLP of any kernel activation, plain (fc1 -> act -> fc2, ops/gelu.py; keeps
-  the fc1 output) or gated (down(act(gate) * up), ops/swiglu.py; keeps the gate and up outputs).
+  the fc1 output) or gated (down(act(gate) * up), ops/gated_mlp.py; keeps the gate and up outputs).
 
 The norm output (and the MLP's activation output) is rebuilt in backward unless `store`. Stored and
 rebuilt outputs come from the same kernel and the same saved statistics, so `store=True` and
@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from .activations import GELU_APPROXIMATE, KERNEL_ACTIVATIONS
 from .double_backward import first_order_only
 from .keeping import pipeline
+from .ops.gated_mlp import gated_mlp_backward, gated_mlp_forward
 from .ops.gelu import mlp_backward, mlp_forward
 from .ops.layer_norm import layer_norm_apply, layer_norm_bwd, layer_norm_fwd
 from .ops.rms_norm import rms_norm_apply, rms_norm_bwd, rms_norm_fwd
-from .ops.swiglu import gated_mlp_backward, gated_mlp_forward
 from .validation import NORMS, check_choice
 
 MLP_KINDS = ("plain", "gated")
