@@ -13,7 +13,7 @@ from .ops.attention import attention
 from .ops.cross_entropy import linear_cross_entropy
 from .ops.dropout import dropout
 from .ops.gated_mlp import swiglu_mlp
-from .ops.gelu import gelu_mlp
+from .ops.gelu_mlp import gelu_mlp
 from .ops.layer_norm import layer_norm
 from .ops.rms_norm import rms_norm
 from .registry import recomputable_layers

@@ -24,8 +24,8 @@ from .converted_layer import announce_modes, convert_decoder_layer
 from .errors import ConversionError
 from .patches import (
     dropout_forward,
+    fc_mlp_forward_factory,
     gate_up_mlp_forward,
-    gelu_mlp_forward_factory,
     layer_norm_forward,
     own_forward_norm,
     packed_gate_up_mlp_forward,
@@ -325,7 +325,7 @@ def _mlp_forward(mlp):
     if mlp.layout == "packed_gate_up":
         return packed_gate_up_mlp_forward
     fc_in, act, fc_out, *dropout = mlp.children
-    return gelu_mlp_forward_factory(fc_in, act, fc_out, dropout[0] if dropout else None)
+    return fc_mlp_forward_factory(fc_in, act, fc_out, dropout[0] if dropout else None)
 
 
 def layer_activation(layer, spec):

@@ -17,7 +17,7 @@ from ..double_backward import first_order_only
 from ..keeping import pipeline, tiling
 from ..ops.dropout import dropout_op
 from ..ops.gated_mlp import gated_product, gated_product_op
-from ..ops.gelu import gelu_backward_op, gelu_op
+from ..ops.gelu_mlp import gelu_backward_op, gelu_op
 from ..ops.layer_norm import layer_norm_apply, layer_norm_fwd
 from ..ops.rms_norm import rms_norm_apply, rms_norm_fwd
 from .patching import PATCHED
@@ -248,7 +248,7 @@ def dropout_by_seed(x, p, training):
     return pipeline.discardable(dropout_op(x, p, seed), dropout_op, pipeline.source(x), p, seed)
 
 
-def gelu_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="dropout"):
+def fc_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="dropout"):
     """The forward of a plain MLP dropout(fc_out(act(fc_in(x)))) with these child names (GPT2MLP's by
     default; dropout None for none), its activation applied by `activate`."""
     def forward(self, hidden_states):
@@ -265,7 +265,7 @@ def gelu_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="
 
 # The code of each MLP forward that tiles (a factory's closures share their code, also once unpickled); the
 # mixture-of-experts blocks' forwards (models/moe.py) add theirs through `tiled_forward`.
-_TILED_CODES = {f.__code__ for f in (gate_up_mlp_forward, packed_gate_up_mlp_forward, gelu_mlp_forward_factory())}
+_TILED_CODES = {f.__code__ for f in (gate_up_mlp_forward, packed_gate_up_mlp_forward, fc_mlp_forward_factory())}
 
 
 def tiled_forward(forward):

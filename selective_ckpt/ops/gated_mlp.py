@@ -56,7 +56,7 @@ def gated_product_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> t
     return _gated_product(gate, up, activation)
 
 
-# Backward's rebuild of a, under a name of its own for the reason of ops/gelu.py's gelu_rebuild_op
+# Backward's rebuild of a, under a name of its own for the reason of ops/gelu_mlp.py's gelu_rebuild_op
 # (torch.compile would merge it with forward's product and keep a).
 @torch.library.custom_op("selective_ckpt::gated_product_rebuild", mutates_args=())
 def gated_product_rebuild_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
