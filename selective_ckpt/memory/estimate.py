@@ -24,7 +24,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
              dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
              norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, post_norms=False, moe=None, mixer=None,
-             attn_gate=False, qk_norm_ones=False, query_scales=False, **layer_kwargs):
+             attn_gate=False, qk_norm_weightless=False, query_scales=False, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -96,8 +96,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     `attn_gate=True` (Qwen3-Next, Qwen3.5: q_proj emits q and a gate per head, o_proj reads o * sigmoid(gate)):
     with qk_norm=True the q norm's input is a view of the whole q_proj output, q and gate, so qk_norm_in counts
     H*D more; the gated product is rebuilt from o and the gate (kept under "none": H*D).
-    `qk_norm_ones=True` (with qk_norm="rotated": norms without a weight, Llama 4's) adds the row of D ones in
-    `dtype` each of the two norm calls keeps as its kernel weight. `query_scales=True` (Llama 4's NoPE layers'
+    `qk_norm_weightless=True` (with qk_norm="rotated": Llama 4's norms without a weight, after a RoPE that rounds
+    the rotated q, k back to q's dtype) counts those in `dtype` and adds the row of D ones in `dtype` each of the
+    two norm calls keeps as its kernel weight. `query_scales=True` (Llama 4's NoPE layers'
     attention temperature: q times a float32 scale per position) adds that scale, kept by the product: seq_len*4.
     `mixer` (memory.Mixer): the layer holds a token mixer kept as transformers' own (a Gated DeltaNet) instead
     of attention: no q/k/v, o or lse; the mixer's own saved bytes instead (its input, the first norm's output,
@@ -193,12 +194,12 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
         if qk_norm == "rotated":
             # RoPE multiplies q, k by tables of the residual stream's dtype: under autocast the rotated q, k (the
             # norms' inputs, and "none"'s outputs) are fp32, v stays in `dtype`
-            eq = max(e, er)
+            eq = e if qk_norm_weightless else max(e, er)
             parts["qkv"] = t * ((num_heads + kv_heads) * head_dim * eq + kv_heads * head_dim * e)
             parts["qk_norm_stats"] = t * (num_heads + kv_heads) * acc
             if recompute == "none":
                 parts["qk_norm_out"] = t * (num_heads + kv_heads) * head_dim * eq
-            if qk_norm_ones:
+            if qk_norm_weightless:
                 parts["qk_norm_ones"] = 2 * head_dim * e
         if query_scales and "qkv" in parts:
             parts["query_scales"] = seq_len * 4

@@ -64,12 +64,28 @@ def experts_forward(self, hidden_states, index=None, weights=None):
                                    weights, index, kernel_activation(self.act_fn), "sum", dtype, True)
 
 
+class _Picked(torch.autograd.Function):
+    """scores.gather(1, index), keeping the index only: torch's gather keeps the scores too, a [t, E] copy where the
+    router rounds them to a 16-bit dtype (its fp32 sigmoid output is kept anyway)."""
+
+    @staticmethod
+    def forward(ctx, scores, index):
+        ctx.shape = scores.shape
+        ctx.save_for_backward(index)
+        return scores.gather(1, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.shape).scatter_(1, index, grad), None
+
+
 def _rows(block, x):
     """(the block's output rows, the router logits) for rows x [n, h]: the shared expert plus the routed experts,
     added in place as Llama4TextMoe adds them."""
     scores, logits = block.router(x)
     index = torch.topk(logits.detach(), block.router.top_k, dim=1).indices  # the router's own choice
-    routed = block.experts(x, index, scores.gather(1, index))
+    routed = block.experts(x, index, _Picked.apply(scores, index))
     out = block.shared_expert(x)
     out.add_(routed)
     return out, logits
@@ -148,7 +164,7 @@ def _shape(layer, config, spec):
     width = getattr(dense.gate_proj, "base_layer", dense.gate_proj).out_features
     fields.update(ffn_dim=width, mlp_ratio=width / fields["hidden_dim"])
     if "qk_norm" in attn._modules:
-        fields.update(qk_norm="rotated", qk_norm_ones=True)
+        fields.update(qk_norm="rotated", qk_norm_weightless=True)
     if not attn.use_rope and attn.attn_temperature_tuning:
         fields["query_scales"] = True
     if block:

@@ -14,8 +14,9 @@ import torch
 import selective_ckpt
 from selective_ckpt import ConversionError, keeping, set_recompute
 from selective_ckpt.models import attention as hf_attention
-from tests.models.families.llama4 import LLAMA4
-from tests.models.hf_checks import batch
+from selective_ckpt.models.configuration import layer_estimate
+from tests.models.families.llama4 import _KINDS, LLAMA4
+from tests.models.hf_checks import batch, kept_bytes_per_layer
 from tests.reference import assert_within_rule
 
 transformers = pytest.importorskip("transformers")
@@ -187,6 +188,29 @@ def test_moe_in_mlp_tiles_matches_untiled():
         results.append([loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, form", [(k, "autocast") for k in _KINDS] + [(_KINDS[3], "bfloat16")],
+                         ids=lambda x: x[0] if isinstance(x, tuple) else x)
+def test_layer_keeps_its_estimate_in_16_bit(kind, form):
+    """Under bf16 autocast (fp32 weights) and with bf16 weights, each kind of layer keeps exactly its estimate: the
+    rotated q and k in q's dtype (Llama 4's RoPE rounds back to it), the router's scores in theirs."""
+    ids, _ = batch(b=2, s=24, pad_rows=False)
+    dtype = torch.bfloat16 if form == "bfloat16" else torch.float32
+    autocast = torch.bfloat16 if form == "autocast" else None
+
+    def layers(n):
+        model = selective_ckpt.convert(_model(num_hidden_layers=n, **kind[1]).to(dtype).train())
+
+        def forward(**inputs):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+                return model(**inputs)
+        return forward
+
+    kept = kept_bytes_per_layer(layers, {"input_ids": ids})
+    layer = selective_ckpt.registry.recomputable_layers(selective_ckpt.convert(_model(num_hidden_layers=1,
+                                                                                       **kind[1]).to(dtype)))[0]
+    assert kept == layer_estimate(layer, ids.shape[1], ids.shape[0], autocast)
 
 
 def test_attention_dropout_with_chunked_layers_is_refused_unchanged():
