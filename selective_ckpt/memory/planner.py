@@ -47,8 +47,8 @@ class LayerShape:
     def kept_kwargs(self):
         return {"residual": self.residual, "norms": self.norms, "qk_norm": self.qk_norm, "norm_stats": self.norm_stats,
                 "scalar_multipliers": self.scalar_multipliers, "post_norms": self.post_norms,
-                "moe": self.moe, "mixer": self.mixer, "attn_gate": self.attn_gate, "qk_norm_weightless": self.qk_norm_weightless,
-                "query_scales": self.query_scales}
+                "moe": self.moe, "mixer": self.mixer, "attn_gate": self.attn_gate,
+                "qk_norm_weightless": self.qk_norm_weightless, "query_scales": self.query_scales}
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,

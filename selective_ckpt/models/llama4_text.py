@@ -113,9 +113,9 @@ class Llama4MoESpec(MoESpec):
         check_children(block.experts, f"{name}.experts", ("act_fn",), model_type)
         check_children(block.router, f"{name}.router", (), model_type)
         if not _is(block.experts, _EXPERTS) or not _is(block.router, _ROUTER) or not _is(block.shared_expert, _MLP):
-            raise ConversionError(f"{name} (model type {model_type!r}): experts {type(block.experts).__name__}, router "
-                                  f"{type(block.router).__name__} and shared expert {type(block.shared_expert).__name__}"
-                                  f" must be {_EXPERTS}, {_ROUTER} and {_MLP}")
+            held = ", ".join(type(m).__name__ for m in (block.experts, block.router, block.shared_expert))
+            raise ConversionError(f"{name} (model type {model_type!r}): experts, router and shared expert are {held}; "
+                                  f"they must be {_EXPERTS}, {_ROUTER} and {_MLP}")
         check_children(block.shared_expert, f"{name}.shared_expert", GATE_UP_ACTIVATION_FN_CHILDREN, model_type)
         _check_activation(block.shared_expert, f"{name}.shared_expert", model_type, SPEC)
         experts = block.experts
