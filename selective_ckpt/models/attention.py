@@ -177,14 +177,16 @@ def describe_mask(mask, batch, seq, window, name, heads=1):
     return (pad if has_pad else None), cu
 
 
-_LAST = [None]  # (weakref to mask, (version, B, S, window, heads), result): a model hands every layer one mask
+# describe function -> (weakref to mask, (version, B, S, window, heads), result): a model hands every layer of a
+# kind one mask (Llama 4's chunked and full layers two, each described by its own function)
+_LAST = {}
 
 
 def _forget(ref):
     """The cached description dies with its mask: nothing of one forward is held into the next."""
-    last = _LAST[0]
-    if last is not None and last[0] is ref:
-        _LAST[0] = None
+    for describe, last in list(_LAST.items()):
+        if last[0] is ref:
+            del _LAST[describe]
 
 
 def _traced_describe(mask, batch, seq, window, name, heads):
@@ -219,14 +221,14 @@ def _cached_describe(mask, batch, seq, window, name, heads, describe=describe_ma
         return _traced_describe(mask, batch, seq, window, name, heads)
     if mask.is_inference():
         return describe(mask, batch, seq, window, name, heads)
-    last = _LAST[0]
-    key = (mask._version, batch, seq, window, heads, describe)
+    last = _LAST.get(describe)
+    key = (mask._version, batch, seq, window, heads)
     if last is None or last[0]() is not mask or last[1] != key:
         try:
             result = describe(mask, batch, seq, window, name, heads)
         except Inexpressible as e:
             result = _Refused(str(e))  # the message only: a traceback would keep this forward's tensors
-        last = _LAST[0] = (weakref.ref(mask, _forget), key, result)
+        last = _LAST[describe] = (weakref.ref(mask, _forget), key, result)
     if isinstance(last[2], _Refused):
         raise Inexpressible(last[2].message)
     return last[2]
@@ -496,7 +498,12 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
 
 
 def _chunk_segments(mask, batch, seq, chunk, name, heads):
-    return chunked_attention.segments(mask, batch, seq, chunk, name, heads)
+    """chunked_attention.segments of a mask (the rows' segments as cu_seqlens, or None); Inexpressible for a mask
+    of another pattern."""
+    try:
+        return chunked_attention.segments(allowed_mask(mask, batch, seq, name, heads), batch, seq, chunk, name)
+    except chunked_attention.NotChunked as e:
+        raise Inexpressible(str(e)) from None
 
 
 def _chunked(module, name, chunk, query, key, value, attention_mask, dropout, scaling, kwargs):
@@ -514,7 +521,7 @@ def _chunked(module, name, chunk, query, key, value, attention_mask, dropout, sc
     if attention_mask is not None and is_fake(attention_mask):
         return None
     if attention_mask is None:
-        cu = chunked_attention.segments(None, B, S, chunk, name, H, documents, query.device)
+        cu = chunked_attention.segments(None, B, S, chunk, name, documents, query.device)
     else:
         try:
             cu = _cached_describe(attention_mask, B, S, chunk, name, H, describe=_chunk_segments)

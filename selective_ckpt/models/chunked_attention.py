@@ -77,24 +77,26 @@ def _chunk_starts(batch, seq, chunk, documents, device):
     return starts
 
 
-def segments(mask, batch, seq, chunk, name, heads, documents=None, device=None):
-    """cu_seqlens (int32) of the B rows of length S laid end to end, cut at every segment start, or None for plain
-    causal attention (no padding, no document, every row within one chunk: the layer runs unchunked). Raises
-    attention.Inexpressible for a mask that is not the chunked pattern on every real query's row."""
-    from .attention import Inexpressible, allowed_mask
+class NotChunked(ValueError):
+    """A mask that is not the chunked pattern on every real query's row."""
 
-    if mask is None:
+
+def segments(allowed, batch, seq, chunk, name, documents=None, device=None):
+    """cu_seqlens (int32) of the B rows of length S laid end to end, cut at every segment start, or None for plain
+    causal attention (no padding, no document, every row within one chunk: the layer runs unchunked). `allowed`:
+    the [B, S, S] bool mask, or None (no padding; documents, cu_seqlens of one row, or none). Raises NotChunked for
+    a mask that is not the chunked pattern on every real query's row."""
+    if allowed is None:
         starts = _chunk_starts(batch, seq, chunk, documents, device)
         padded = False
     else:
-        allowed = allowed_mask(mask, batch, seq, name, heads)
         starts, pad = boundaries(allowed)
-        idx = torch.arange(seq, device=mask.device)
+        idx = torch.arange(seq, device=allowed.device)
         segment = starts.cumsum(-1)
         expected = (idx[:, None] >= idx[None, :]) & (segment[:, :, None] == segment[:, None, :])
         if not bool(((allowed == expected) | ~pad[:, :, None]).all()):
-            raise Inexpressible(f"{name}: attention_mask is not chunked causal attention (attention_chunk_size={chunk})"
-                                " over key padding or packed documents; selective_ckpt cannot express it")
+            raise NotChunked(f"{name}: attention_mask is not chunked causal attention (attention_chunk_size={chunk})"
+                             " over key padding or packed documents; selective_ckpt cannot express it")
         if documents is not None and not bool(starts[0, documents[:-1].long()].all()):
             raise ConversionError(f"{name}: cu_seq_lens_q disagrees with the documents of the attention mask")
         padded = not bool(pad.all())

@@ -76,7 +76,7 @@ class NormSpec:
 class MLPSpec:
     cls: str  # class name
     layout: str  # one of MLP_LAYOUTS
-    children: tuple  # gate_up: GATE_UP_CHILDREN; fc: (fc_in, activation, fc_out[, dropout])
+    children: tuple  # gate_up: GATE_UP_CHILDREN (or ..._ACTIVATION_FN_); fc: (fc_in, activation, fc_out[, dropout])
     forward: object = None  # the MLP's patched forward (self, x); None: the layout's own
 
 

@@ -114,10 +114,10 @@ def test_chunk_segments_cut_rows_documents_and_padding():
     from selective_ckpt.models.chunked_attention import segments
 
     pad = _padding(2, 19, {1: 4}, {})
-    cu = segments(_chunk_allowed(pad, 7), 2, 19, 7, "test", 1)
+    cu = segments(_chunk_allowed(pad, 7)[:, 0], 2, 19, 7, "test")
     assert cu.tolist() == [0, 7, 14, 19, 23, 30, 37, 38]
-    assert segments(None, 2, 7, 7, "test", 1) is None
-    assert segments(None, 1, 20, 7, "test", 1, torch.tensor([0, 9, 20], dtype=torch.int32)).tolist() == \
+    assert segments(None, 2, 7, 7, "test") is None
+    assert segments(None, 1, 20, 7, "test", torch.tensor([0, 9, 20], dtype=torch.int32)).tolist() == \
         [0, 7, 9, 16, 20]
 
 
