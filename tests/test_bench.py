@@ -272,7 +272,8 @@ def test_load_watch_warns_only_when_other_work_shared_the_cpus():
     assert len(watch.samples) == 4 and watch.samples[-1] >= 0
 
 
-@pytest.mark.parametrize("module", ["attention", "attention_gpu", "mlp", "profile_step", "hf", "offload", "python_tax"])
+@pytest.mark.parametrize("module", ["attention", "attention_gpu", "gelu_mlp", "profile_step", "hf", "offload",
+                                    "python_tax"])
 def test_benchmarks_run_as_package_modules_from_anywhere(module, tmp_path):
     """The standalone benchmarks are modules of the package: no sys.path edits, no checkout needed."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
