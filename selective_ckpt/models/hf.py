@@ -24,12 +24,12 @@ from .converted_layer import announce_modes, convert_decoder_layer
 from .errors import ConversionError
 from .patches import (
     dropout_forward,
-    gelu_mlp_forward_factory,
+    fc_mlp_forward_factory,
+    gate_up_mlp_forward,
     layer_norm_forward,
     own_forward_norm,
     packed_gate_up_mlp_forward,
     rms_norm_forward,
-    swiglu_mlp_forward,
 )
 from .patching import patch_forward
 
@@ -41,7 +41,7 @@ ROLES = ("norm", "attention", "mlp", "dropout", "mixer", "own")
 # separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc); one gate_up_proj whose output
 # is chunked into gate and up (Phi-3)
 MLP_LAYOUTS = ("gate_up", "fc", "packed_gate_up")
-GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.swiglu_mlp_forward reads
+GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.gate_up_mlp_forward reads
 PACKED_GATE_UP_CHILDREN = ("gate_up_proj", "down_proj", "activation_fn")  # patches.packed_gate_up_mlp_forward
 _ACTIVATION_CHILD = {"gate_up": 3, "fc": 1, "packed_gate_up": 2}  # index of the activation in MLPSpec.children
 # Residual forms the driver converts. Patching leaves the layer's own forward in place, so any form
@@ -321,11 +321,11 @@ def _norm_forward(norm, kept="residual"):
 
 def _mlp_forward(mlp):
     if mlp.layout == "gate_up":
-        return swiglu_mlp_forward
+        return gate_up_mlp_forward
     if mlp.layout == "packed_gate_up":
         return packed_gate_up_mlp_forward
     fc_in, act, fc_out, *dropout = mlp.children
-    return gelu_mlp_forward_factory(fc_in, act, fc_out, dropout[0] if dropout else None)
+    return fc_mlp_forward_factory(fc_in, act, fc_out, dropout[0] if dropout else None)
 
 
 def layer_activation(layer, spec):

@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLPs of Hugging Face models (Mixtral, Qwen2-MoE, Qwen3-MoE), converted in place.
+"""Sparse mixture-of-experts MLPs of Hugging Face models (the specs with `ModelSpec.moe`), converted in place.
 
 transformers stores a layer's experts as two 3-D parameters (`gate_up_proj` [E, 2I, H], `down_proj`
 [E, H, I]) and picks the experts' forward by `config._experts_implementation` ("eager" loops over the
@@ -52,7 +52,7 @@ from ..activations import has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
 from ..keeping import pipeline, tiling
 from ..memory.estimate import MoE
-from ..ops.swiglu import gated_product_backward_op, gated_product_op, gated_product_rebuild_op
+from ..ops.gated_mlp import gated_product_backward_op, gated_product_op, gated_product_rebuild_op
 from ..storages import PLAIN_TENSOR_TYPES
 from .errors import ConversionError
 from .patches import activate, mlp_tiles, tiled_forward
