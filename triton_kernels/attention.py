@@ -39,7 +39,7 @@ from .rounding import INTERPRETED
 INTERPRETER_BLOCKS = (16, 16)
 
 
-def _tiles(kernel, block_d, wide, dropout, lean, softcap):
+def _tiles(kernel, block_d, wide, dropout, lean, softcap, documents=False):
     # Measured (tests/gpu_compile_check.py): dropout's Philox adds registers, so dK/dV's dropout
     # variants take 32-row (D <= 64) or 16-row query blocks; only lean launches (one query head per
     # kv head, no window, no documents, whole 64-row blocks) keep the plain tile, which spilled with
@@ -48,16 +48,22 @@ def _tiles(kernel, block_d, wide, dropout, lean, softcap):
     # forward takes 8 warps (with 4 the D=64 causal and document variants spilled). D = 256 (Gemma):
     # dK/dV's 64-key tiles spilled 70-200 instructions with or without dropout, 32 x 32 none; dQ with
     # dropout spilled at 64 x 32 and not at 64 x 16. fp32 uses IEEE dots, which Hopper runs on FMA
-    # units with whole operand rows per thread: only small tiles stay out of local memory there.
+    # units with whole operand rows per thread: only small tiles stay out of local memory there. Packed documents at
+    # D > 128 (MLA's 192 in 256-wide blocks): the forward with dropout spilled 243 at 64 x 32, dQ 2 and with
+    # dropout 219: both take 32-row blocks there.
     if wide:
         return (16, 32, 4, 1) if kernel == "dkdv" else (16, 16, 4, 1)
     if kernel == "fwd":
-        return (128, 64, 8, 3) if block_d <= 128 else (64, 32, 8, 2)
+        if block_d <= 128:
+            return (128, 64, 8, 3)
+        return (32, 32, 4, 2) if documents and dropout else (64, 32, 8, 2)
     if kernel == "dq":
         if block_d <= 64:
             return (128, 64, 8, 3)
         if block_d <= 128:
             return (128, 32, 8, 2)
+        if documents:
+            return (32, 16, 4, 2)
         return (64, 16, 8, 2) if dropout else (64, 32, 8, 2)
     # dkdv: a tall key block (two fp32 accumulators) resident, query blocks streamed
     small = dropout and not lean or softcap and (dropout or block_d <= 64)
@@ -72,12 +78,12 @@ def _block_d(D):
     return max(16, triton.next_power_of_2(D))
 
 
-def config(kernel, D, dtype, dropout=False, lean=False, softcap=False):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of one kernel; lean: see _tiles."""
+def config(kernel, D, dtype, dropout=False, lean=False, softcap=False, documents=False):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of one kernel; lean and documents: see _tiles."""
     block_d = _block_d(D)
     if INTERPRETED:
         return INTERPRETER_BLOCKS + (block_d, 4, 1)
-    bm, bn, warps, stages = _tiles(kernel, block_d, dtype.itemsize == 4, dropout, lean, softcap)
+    bm, bn, warps, stages = _tiles(kernel, block_d, dtype.itemsize == 4, dropout, lean, softcap, documents)
     return bm, bn, block_d, warps, stages
 
 
@@ -97,7 +103,8 @@ def _flags(q, k, v, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, kerne
     lean = q.shape[1] == k.shape[1] and window == 0 and cu_seqlens is None and Sq % 64 == 0
     D, Dv = q.shape[3], v.shape[3]
     # tiles by the wider head dim (a value head narrower than q's, as MLA's, runs in the tiles of q's)
-    bm, bn, _, warps, stages = config(kernel, max(D, Dv), q.dtype, t16 > 0, lean, bool(softcap))
+    bm, bn, _, warps, stages = config(kernel, max(D, Dv), q.dtype, t16 > 0, lean, bool(softcap),
+                                      cu_seqlens is not None)
     return dict(D=D, DV=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), CAUSAL=bool(causal), WINDOW=window > 0, VARLEN=cu_seqlens is not None,
                 HAS_PAD=pad is not None, DROPOUT=t16 > 0, SOFTCAP=bool(softcap), IEEE=q.dtype.itemsize == 4,
                 BLOCK_M=bm, BLOCK_N=bn, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0, num_warps=warps,
