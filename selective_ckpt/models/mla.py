@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from .. import compat
 from ..double_backward import first_order_only
 from ..keeping import pipeline
 from . import attention
@@ -85,7 +86,7 @@ def _rope_of(module):
 def _interface(module):
     """(the attention function the module's forward calls, whether it is ours), as transformers picks it."""
     family = sys.modules[type(module).__module__]
-    impl = module.config._attn_implementation
+    impl = compat.attention_implementation(module.config)
     return family.ALL_ATTENTION_FUNCTIONS.get_interface(impl, family.eager_attention_forward), impl == attention.NAME
 
 

@@ -66,6 +66,7 @@ FAMILIES = [
            variants=(("q_proj", dict(q_lora_rank=None)), ("half-split-rope", dict(rope_interleave=False)),
                      ("dense-layer", dict(first_k_dense_replace=1))),
            layer_kinds=(("", {}), ("dense", {"first_k_dense_replace": 2}), ("q_proj", {"q_lora_rank": None})),
+           dropout=dict(attention_dropout=0.1),
            skip={"aux_loss": "DeepseekV3ForCausalLM computes no load-balancing loss"}),
     # the clamped SwiGLU's limit inside the tiny model's range (its default 7 is never reached there)
     Family("gpt_oss", transformers.GptOssConfig, transformers.GptOssForCausalLM, GPT_OSS,
