@@ -24,7 +24,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
              dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
              norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, post_norms=False, moe=None, mixer=None,
-             attn_gate=False, qk_norm_weightless=False, query_scales=False, **layer_kwargs):
+             attn_gate=False, mla=None, qk_norm_weightless=False, query_scales=False, **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -105,6 +105,9 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     is rebuilt under "selective" and kept under "none" as ln1_out). "full" and "attention-kept" keep x only.
     A mixer with `attention=True` runs beside the attention on the same normed input (Falcon-H1): attention's
     parts stay, plus the normed input times a number that q/k/v read (t*h*e; one cast each under autocast).
+
+    `mla` (memory.MLA): the attention is multi-head latent attention (DeepSeek-V3): its q/k/v and o parts are
+    MLA.kept's (docs/kernels/mla.md), its two latent norms add their statistics.
     """
     check_residual(residual, norms)
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
@@ -136,7 +139,8 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     elif recompute == "attention-kept" and mixer is not None and not mixer.attention:  # no attention op: nothing cached
         parts = {"x": t * h * er}
     elif recompute == "attention-kept":  # the checkpoint's input and the cached outputs of attention's forward
-        parts = {"x": t * h * er, "o": t * qw * e, "lse": num_heads * t * acc}
+        parts = {"x": t * h * er, "o": t * (qw if mla is None else mla.heads * mla.value) * e,
+                 "lse": num_heads * t * acc}
     else:
         parts = {"x": t * h * er, "qkv": t * (qw + 2 * kv_heads * head_dim) * e, "o": t * qw * e, "x1": t * h * er}
         if residual == "parallel":
@@ -214,6 +218,8 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
             parts["seeds"] = 8 * sites
         if lora is not None:
             parts.update(lora.kept(t))
+        if mla is not None:
+            parts.update(mla.kept(t, e, acc, recompute, norm_stats, ones=er != e))
     if breakdown in ("class", "class-last"):
         return split_parts(parts, layer_policy, offloaded=breakdown == "class")
     return parts if breakdown else sum(parts.values())

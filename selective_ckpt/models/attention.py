@@ -354,15 +354,15 @@ class _RowsAttendingNothing(torch.autograd.Function):
     the same way (the scores of these rows recomputed). Keeps q, k, v (the ones attention keeps) and the
     row positions.
 
-    q [B, H, S, D], k and v [B, Hkv, Sk, D], rows [B, P] positions (the first `valid` of each row are real,
-    the rest filler whose output is discarded). Returns [B, H, P, D]."""
+    q [B, H, S, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], rows [B, P] positions (the first `valid` of each row
+    are real, the rest filler whose output is discarded). Returns [B, H, P, Dv]."""
 
     @staticmethod
     def forward(ctx, q, k, v, rows, valid, scaling, softcap):
-        B, H, _, D = q.shape
-        Hkv, Sk = k.shape[1], k.shape[2]
-        mean = (v.float().sum(dim=2) * _uniform(Sk, v.dtype)).to(v.dtype)  # [B, Hkv, D]
-        out = mean.repeat_interleave(H // Hkv, dim=1)[:, :, None, :].expand(B, H, rows.shape[1], D).contiguous()
+        B, H = q.shape[:2]
+        Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        mean = (v.float().sum(dim=2) * _uniform(Sk, v.dtype)).to(v.dtype)  # [B, Hkv, Dv]
+        out = mean.repeat_interleave(H // Hkv, dim=1)[:, :, None, :].expand(B, H, rows.shape[1], Dv).contiguous()
         ctx.scaling, ctx.softcap = scaling, softcap
         ctx.save_for_backward(q, k, v, rows, valid)
         return out
@@ -371,10 +371,10 @@ class _RowsAttendingNothing(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, rows, valid = ctx.saved_tensors
         B, H, _, D = q.shape
-        Hkv, Sk = k.shape[1], k.shape[2]
+        Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
         G, P = H // Hkv, rows.shape[1]
         p = 1.0 / Sk  # the softmax output, float32 as eager's softmax computes it
-        dout = (dout.float() * valid[:, None, :, None]).reshape(B, Hkv, G * P, D)  # head h = kv head h // G
+        dout = (dout.float() * valid[:, None, :, None]).reshape(B, Hkv, G * P, Dv)  # head h = kv head h // G
         kf, vf = k.float(), v.float()
         dv = (dout.sum(dim=2) * _uniform(Sk, v.dtype))[:, :, None, :]
         dp = dout @ vf.transpose(-1, -2)  # [B, Hkv, G*P, Sk]
@@ -388,7 +388,7 @@ class _RowsAttendingNothing(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dq.scatter_add_(2, index, (ds @ kf).reshape(B, H, P, D))
         dk = ds.transpose(-1, -2) @ q_rows
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.expand(B, Hkv, Sk, D).to(v.dtype), None, None, None, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.expand(B, Hkv, Sk, Dv).to(v.dtype), None, None, None, None)
 
 
 def rows_attending_nothing(pad, window=None):
@@ -418,16 +418,22 @@ def _as_eager_on_rows_attending_nothing(o, query, key, value, dead, scaling, sof
     return o
 
 
-def _own_buffers(query, key, value):
+# A keyword an attention module's forward passes when its v is a view into a buffer the layer keeps anyway (MLA's
+# kv_b_proj output, from which k is rebuilt): attention keeps the view, never a copy. Taken out of the call's kwargs.
+VALUE_BUFFER_KEPT = "selective_ckpt_value_buffer_kept"
+
+
+def _own_buffers(query, key, value, value_buffer_kept=False):
     """q, k, v as attention keeps them: one that is a view into a larger buffer none of the others keeps
     alive (GPT-NeoX's packed query_key_value output, of which RoPE made new q and k and only v is still a
-    view) is copied, so the buffer is freed; views into one buffer the three share (GPT-2's c_attn) stay."""
+    view) is copied, so the buffer is freed; views into one buffer the three share (GPT-2's c_attn) stay, as does
+    a v whose buffer the layer keeps for another reason (`value_buffer_kept`)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # compiled: the partitioner picks what is kept
         return query, key, value
     out = [query, key, value]
     storages = [(storage_id(t), storage_bytes(t)) for t in out]
     for i, t in enumerate(out):
-        shared = any(storages[j][0] == storages[i][0] for j in range(3) if j != i)
+        shared = any(storages[j][0] == storages[i][0] for j in range(3) if j != i) or (i == 2 and value_buffer_kept)
         if not shared and storages[i][1] > t.numel() * t.element_size():
             out[i] = t.contiguous() if not t.is_contiguous() else t.clone()
     return tuple(out)
@@ -440,6 +446,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     name = f"{type(module).__name__} (selective_ckpt attention)"
     if kwargs.get("position_bias") is not None:
         raise ConversionError(f"{name}: position_bias is not supported by selective_ckpt.attention")
+    value_buffer_kept = kwargs.pop(VALUE_BUFFER_KEPT, False)
     tile = layer_tiles.current()
     if tile is not None:
         return _tile_attention(module, name, tile, query, key, value, attention_mask, dropout, scaling, is_causal,
@@ -482,7 +489,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
             raise ConversionError(f"{name}: cu_seq_lens_q cannot be combined with padding")
         cu = cu_kw
     dtype = _compute_dtype(query)
-    query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype))
+    query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype), value_buffer_kept)
     seed = rng.draw_seed_tensor(query.device) if dropout > 0 else None
     sinks = _sinks(kwargs)
     o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu,
