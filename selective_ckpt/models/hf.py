@@ -16,6 +16,7 @@ import logging
 
 from torch import nn
 
+from .. import compat
 from ..activations import elementwise_problem, kernel_activation
 from ..memory.estimate import KEPT_MIXER
 from ..validation import NORMS
@@ -360,7 +361,7 @@ def config_shape(layer, config, spec):
     h, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(attn, "head_dim", h // heads)
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    kv = compat.global_config_value(config, "num_key_value_heads") or heads  # per layer: the shape reader's
     fields = dict(hidden_dim=h, num_heads=heads, num_kv_heads=kv, ffn_dim=ffn, mlp_ratio=ffn / h, norm=spec.norm.kind,
                   activation=layer_activation(layer, spec),
                   sliding_window=getattr(attn, "sliding_window", None) or None)
