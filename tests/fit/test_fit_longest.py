@@ -20,7 +20,7 @@ CASES = {
 }
 # budgets as multiples of the weights and optimizer state: tight (only the lightest variants fit short
 # contexts) to ample (the longest context is the config's limit for some rows)
-MULTIPLES = (1.05, 1.3, 2.0, 40.0)
+MULTIPLES = (1.05, 2.0, 40.0)
 
 
 def _checks(config, form):
