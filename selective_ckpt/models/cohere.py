@@ -7,7 +7,8 @@ Per-head q/k norms (use_qk_norm: a LayerNorm over [heads, head_dim] with a weigh
 """
 
 from .errors import ConversionError
-from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, residual_shape
+from .layer_shape import residual_shape
+from .spec import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec
 
 
 def _check(root, name):

@@ -10,7 +10,8 @@ token fewer than memory.estimate counts for a per-head q/k-normed layer. Those c
 """
 
 from .errors import ConversionError
-from .hf import config_shape, llama_shaped
+from .layer_shape import config_shape
+from .spec import llama_shaped
 
 
 def _check(root, name):

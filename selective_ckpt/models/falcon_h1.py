@@ -4,16 +4,18 @@ then y = x1 + mlp(norm(x1)), with scalar multipliers (the key's, the MLP's gate 
 the logits'; the Mamba-2 mixer's input and its MuP vector). The attention converts at the floor (our kernels
 through transformers' attention registry, transformers' forward), the norms and the MLP convert (the gate's
 multiplier applied to gate_proj's output, which the activation keeps in place of it); the Mamba-2 mixer keeps
-transformers' implementation and what it saves (hf.MixerSpec, beside the attention; said once at convert)."""
+transformers' implementation and what it saves (spec.MixerSpec, beside the attention; said once at convert)."""
 
 import functools
 
 from ..keeping import pipeline, tiling
 from ..memory.estimate import Mixer
+from .checks import modules_of
 from .errors import ConversionError
-from .hf import GATE_UP_CHILDREN, MixerSpec, MLPSpec, NormSpec, config_shape, llama_shaped, modules_of
 from .hybrid import mixer_saved_bytes
+from .layer_shape import config_shape
 from .patches import activate, mlp_tiles
+from .spec import GATE_UP_CHILDREN, MixerSpec, MLPSpec, NormSpec, llama_shaped
 
 MAMBA_WHY = ("its Mamba-2 scan (short convolution, chunked state-space recurrence, gated RMSNorm) has no kernel "
              "here; its forward and what it saves for backward are transformers'")

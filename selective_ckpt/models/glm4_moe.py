@@ -11,10 +11,12 @@ their sum and a copy), and the scale as a float64 scalar."""
 import torch
 
 from ..memory.estimate import MoE
+from .checks import check_activation, check_children
 from .errors import ConversionError
-from .hf import _check_activation, check_children, config_shape, llama_shaped
+from .layer_shape import config_shape
 from .moe import MoESpec, _in_tiles, _records, moe_shape
 from .patches import mlp_tiles, tiled_forward
+from .spec import llama_shaped
 
 _BLOCK = "Glm4MoeMoE"
 
@@ -40,7 +42,7 @@ def _check_block(block, name):
         raise ConversionError(f"{name}.shared_experts is a {type(shared).__name__}, not Glm4MoeMLP; it cannot be "
                               "converted")
     check_children(shared, f"{name}.shared_experts", ("gate_proj", "up_proj", "down_proj", "act_fn"), "glm4_moe")
-    _check_activation(shared, f"{name}.shared_experts", "glm4_moe", SPEC)
+    check_activation(shared, f"{name}.shared_experts", "glm4_moe", SPEC.mlp.activation)
 
 
 def _shape(layer, config, spec):
@@ -61,6 +63,6 @@ def _shape(layer, config, spec):
     return {**fields, **qk, "moe": moe, "scalar_multipliers": 1}
 
 
-SPEC = llama_shaped("glm4_moe", "Glm4Moe", shape=_shape, qk_norm=True,
+SPEC = llama_shaped("glm4_moe", "Glm4Moe", shape=_shape, qk_norm=True, attention_optional=("q_norm", "k_norm"),
                     moe=MoESpec(_BLOCK, ("experts", "gate", "shared_experts"), "Glm4MoeExperts", "Glm4MoeTopkRouter",
                                 block_forward=_block_forward, check=_check_block, weights_dtype=torch.float32))

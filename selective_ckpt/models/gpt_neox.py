@@ -9,7 +9,8 @@ projection's output, is kept as its own copy (models/attention.py), so that outp
 
 from torch import nn
 
-from .hf import MLPSpec, ModelSpec, NormSpec, residual_shape
+from .layer_shape import residual_shape
+from .spec import MLPSpec, ModelSpec, NormSpec
 
 
 def _shape(layer, config, spec):

@@ -2,7 +2,8 @@
 and logit multipliers stay in transformers' own forwards, the attention scale reaches the kernel as `scaling`.
 Each of its two `branch * residual_multiplier` products keeps the Python float as a 0-dim float64 tensor."""
 
-from .hf import config_shape, llama_shaped
+from .layer_shape import config_shape
+from .spec import llama_shaped
 
 
 def shape(layer, config, spec):

@@ -8,7 +8,7 @@ norm keeps as its input): its output o_proj's input is a norm_act output of the 
 where the policy rebuilds those, so the gate adds nothing to what the layer keeps under "selective" (transformers
 keeps sigmoid(gate) and the product, 2*H*D elements per token).
 
-A linear-attention layer holds a Gated DeltaNet instead (`hf.MixerSpec`): its norms, MLP or MoE and dropouts
+A linear-attention layer holds a Gated DeltaNet instead (`spec.MixerSpec`): its norms, MLP or MoE and dropouts
 convert, the DeltaNet keeps transformers' implementation (fla's kernels where installed, else its torch
 chunked recurrence) and what that saves, which no kernel of ours reproduces. memory.estimate counts that as a
 `memory.Mixer` whose bytes come from running the module's own forward on fake tensors (`mixer_saved_bytes`),
@@ -25,10 +25,12 @@ from ..double_backward import first_order_only
 from ..keeping import pipeline
 from ..memory.estimate import Mixer
 from ..storages import storage_bytes, storage_id
+from .checks import modules_of
 from .errors import ConversionError
-from .hf import MixerSpec, config_shape
+from .layer_shape import config_shape
 from .moe import moe_shape
 from .patches import rebuilt_in_backward
+from .spec import MixerSpec
 
 DELTANET_WHY = ("its gated delta rule (short convolution, chunked recurrence, gated RMSNorm) has no kernel here; "
                 "its forward and what it saves for backward are transformers'")
@@ -110,8 +112,6 @@ def gated_attention_forward(self, hidden_states, position_embeddings, attention_
 
 def attention_patches(attention_cls):
     """ModelSpec.patches: every `attention_cls` module gets gated_attention_forward."""
-    from .hf import modules_of
-
     def patches(root):
         return [(m, gated_attention_forward) for _, m in modules_of(root, attention_cls)]
 
@@ -120,8 +120,6 @@ def attention_patches(attention_cls):
 
 def check_attention(attention_cls):
     """ModelSpec.check: the gated attention's layout, which gated_attention_forward reads, or ConversionError."""
-    from .hf import modules_of
-
     def check(root, name):
         for n, attn in modules_of(root, attention_cls):
             heads = attn.config.num_attention_heads

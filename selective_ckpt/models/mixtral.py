@@ -3,8 +3,8 @@
 
 import torch
 
-from .hf import llama_shaped
 from .moe import MoESpec, moe_shape, refuse_jitter
+from .spec import llama_shaped
 
 SPEC = llama_shaped("mixtral", "Mixtral", shape=moe_shape,
                     moe=MoESpec("MixtralSparseMoeBlock", ("gate", "experts"), "MixtralExperts", "MixtralTopKRouter",

@@ -54,7 +54,9 @@ from ..keeping import pipeline, tiling
 from ..memory.estimate import MoE
 from ..ops.swiglu import gated_product_backward_op, gated_product_op, gated_product_rebuild_op
 from ..storages import PLAIN_TENSOR_TYPES
+from .checks import check_children, is_class, modules_of
 from .errors import ConversionError
+from .layer_shape import config_shape
 from .patches import activate, mlp_tiles, tiled_forward
 
 # experts implementation -> (how a token's rows are summed, the matmuls' dtype rule)
@@ -415,7 +417,7 @@ def shared_expert_block_forward(self, hidden_states):
     return out.reshape(batch_size, sequence_length, hidden_dim)
 
 
-# --- The family description the driver reads (hf.ModelSpec.moe).
+# --- The family description the driver reads (spec.ModelSpec.moe).
 
 @dataclasses.dataclass(frozen=True)
 class MoESpec:
@@ -427,18 +429,19 @@ class MoESpec:
     shared: bool = False  # a shared expert (gated MLP of the spec's MLP class) and its sigmoid gate
     check: object = None  # extra checks (block, name) raising ConversionError
     weights_dtype: object = None  # the routing weights' dtype (Mixtral's stay float32), None: the router logits'
+    router_child: str = "gate"  # the block's router child (of class `router`)
 
     def check_block(self, block, name, model_type, mlp_cls):
-        from .hf import _is, check_children
-
+        router = getattr(block, self.router_child, None)
         check_children(block, name, self.children, model_type)
         check_children(block.experts, f"{name}.experts", ("act_fn",), model_type)
-        check_children(block.gate, f"{name}.gate", (), model_type)
-        if not _is(block.experts, self.experts) or not _is(block.gate, self.router):
+        check_children(router, f"{name}.{self.router_child}", (), model_type)
+        if not is_class(block.experts, self.experts) or not is_class(router, self.router):
             raise ConversionError(f"{name} (model type {model_type!r}): experts {type(block.experts).__name__} and "
-                                  f"router {type(block.gate).__name__} must be {self.experts} and {self.router}")
+                                  f"{self.router_child} {type(router).__name__} must be {self.experts} and "
+                                  f"{self.router}")
         if self.shared:
-            if not _is(block.shared_expert, mlp_cls):
+            if not is_class(block.shared_expert, mlp_cls):
                 raise ConversionError(f"{name}.shared_expert is a {type(block.shared_expert).__name__}, not {mlp_cls}")
             gate = getattr(block.shared_expert_gate, "base_layer", block.shared_expert_gate)  # LoRA keeps its base
             # called as a module: a plain Linear or a bitsandbytes 4-/8-bit one (QLoRA quantizes it too)
@@ -452,8 +455,6 @@ class MoESpec:
             self.check(block, name)
 
     def patches(self, root):
-        from .hf import modules_of
-
         out = [(m, experts_forward) for _, m in modules_of(root, self.experts)]
         block_forward = self.block_forward or routed_block_forward
         return out + [(m, block_forward) for _, m in modules_of(root, self.block)]
@@ -461,7 +462,7 @@ class MoESpec:
 
 def moe_of(block, spec):
     """memory.MoE for a converted MoE block (its config's experts, top-k and widths)."""
-    experts, router = block.experts, block.gate
+    experts, router = block.experts, getattr(block, spec.moe.router_child)
     weights_dtype = spec.moe.weights_dtype
     norm = bool(getattr(router, "norm_topk_prob", True))
     shared = block.shared_expert.gate_proj if spec.moe.shared else None
@@ -472,11 +473,9 @@ def moe_of(block, spec):
 
 def moe_shape(layer, config, spec):
     """config_shape's LayerShape fields, with `moe` (memory.MoE) when the layer's MLP is a sparse MoE block."""
-    from .hf import _is, config_shape
-
     mlp = layer.mlp
     qk = {"qk_norm": True} if spec.qk_norm else {}
-    if not _is(mlp, spec.moe.block):
+    if not is_class(mlp, spec.moe.block):
         return {**config_shape(layer, config, spec), **qk}
     fields = {**config_shape(_DenseView(layer), config, spec), **qk}
     moe = moe_of(mlp, spec)

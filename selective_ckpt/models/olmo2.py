@@ -4,7 +4,8 @@ q/k RMSNorms over the whole q_proj / k_proj output, from whose inputs attention'
 the kernels do not have: each norm runs its own forward, keeping only its input (a matmul output), and
 runs again in backward."""
 
-from .hf import NormSpec, config_shape, llama_shaped
+from .layer_shape import config_shape
+from .spec import NormSpec, llama_shaped
 
 
 def shape(layer, config, spec):

@@ -2,8 +2,8 @@
 shared expert (a gated MLP) under a sigmoid gate, and dense Qwen2MoeMLP layers where mlp_only_layers or
 decoder_sparse_step put them."""
 
-from .hf import llama_shaped
 from .moe import MoESpec, moe_shape, shared_expert_block_forward
+from .spec import llama_shaped
 
 SPEC = llama_shaped("qwen2_moe", "Qwen2Moe", shape=moe_shape,
                     moe=MoESpec("Qwen2MoeSparseMoeBlock", ("gate", "experts", "shared_expert", "shared_expert_gate"),

@@ -13,9 +13,11 @@ import inspect
 
 from torch import nn
 
-from .hf import MLPSpec, ModelSpec, NormSpec, modules_of, residual_shape
+from .checks import modules_of
+from .layer_shape import residual_shape
 from .patches import activate, dropout_by_seed
 from .patching import PATCHED
+from .spec import MLPSpec, ModelSpec, NormSpec
 
 
 def _mlp_forward(self, hidden_states):
