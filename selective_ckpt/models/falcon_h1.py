@@ -9,11 +9,8 @@ transformers' implementation and what it saves (spec.MixerSpec, beside the atten
 import functools
 
 from ..keeping import pipeline, tiling
-from ..memory.estimate import Mixer
 from .checks import modules_of
 from .errors import ConversionError
-from .hybrid import mixer_saved_bytes
-from .layer_shape import config_shape
 from .patches import activate, mlp_tiles
 from .spec import GATE_UP_CHILDREN, MixerSpec, MLPSpec, NormSpec, llama_shaped
 
@@ -44,17 +41,9 @@ def check(root, name):
             raise ConversionError(f"{name}: {n} has no mup_vector; it cannot be kept as transformers' own")
 
 
-def shape(layer, config, spec):
-    """config_shape plus the kept Mamba-2 mixer beside the attention (memory.Mixer) and the layer's scalars."""
-    fields = config_shape(layer, config, spec)
-    mixer = layer.mamba
-    saved = functools.partial(mixer_saved_bytes, mixer)
-    return {**fields, "scalar_multipliers": SCALARS, "mixer": Mixer(type(mixer).__name__, saved, attention=True)}
-
-
 SPEC = llama_shaped("falcon_h1", "FalconH1",
                     children=(("input_layernorm", "norm"), ("mamba", "mixer"), ("self_attn", "attention"),
                               ("pre_ff_layernorm", "norm"), ("feed_forward", "mlp")),
                     mlp=MLPSpec("FalconH1MLP", "gate_up", GATE_UP_CHILDREN, mlp_forward),
-                    norm=NormSpec("rmsnorm", "FalconH1RMSNorm"), shape=shape, check=check,
+                    norm=NormSpec("rmsnorm", "FalconH1RMSNorm"), scalar_multipliers=SCALARS, check=check,
                     mixer=MixerSpec("FalconH1Mixer", MAMBA_WHY, beside_attention=True))

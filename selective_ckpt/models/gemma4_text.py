@@ -140,14 +140,11 @@ class Gemma4MoE(MoE):
 
 
 def _shape(layer, config, spec):
-    """config_shape with the layer's own kv heads (a full layer's num_global_key_value_heads) and head_dim; q, k and
-    v are kept as their projections' outputs (the q/k/v norms' inputs; the norms' and RoPE's outputs are rebuilt),
-    the bytes of a layer without q/k norms; the norms keep no statistics (their own forward runs again). A MoE layer
-    adds its experts and router (Gemma4MoE)."""
-    attn = layer.self_attn
+    """config_shape with the layer's own kv heads (a full layer's num_global_key_value_heads); a MoE layer (by
+    config.enable_moe_block) adds its experts and router (Gemma4MoE)."""
+    attn = getattr(layer, spec.child("attention"))
     fields = config_shape(layer, config, spec)
-    fields.pop("qk_norm", None)
-    fields.update(num_kv_heads=attn.k_proj.out_features // attn.head_dim, norm_stats=False)
+    fields["num_kv_heads"] = attn.k_proj.out_features // attn.head_dim
     if "experts" in layer._modules:
         experts, dense = layer.experts, getattr(layer.mlp.gate_proj, "base_layer", layer.mlp.gate_proj)
         fields["moe"] = Gemma4MoE(num_experts=experts.num_experts, top_k=config.top_k_experts,

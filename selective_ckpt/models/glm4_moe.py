@@ -10,11 +10,9 @@ their sum and a copy), and the scale as a float64 scalar."""
 
 import torch
 
-from ..memory.estimate import MoE
 from .checks import check_activation, check_children
 from .errors import ConversionError
-from .layer_shape import config_shape
-from .moe import MoESpec, _in_tiles, _records, moe_shape
+from .moe import MoESpec, _in_tiles, _records
 from .patches import mlp_tiles, tiled_forward
 from .spec import llama_shaped
 
@@ -45,24 +43,8 @@ def _check_block(block, name):
     check_activation(shared, f"{name}.shared_experts", "glm4_moe", SPEC.mlp.activation)
 
 
-def _shape(layer, config, spec):
-    """config_shape (a dense layer) or moe_shape with the block's memory.MoE: its routed experts, shared experts
-    without a gate, and the router's float64 scale; q/k norms only where config.use_qk_norm."""
-    qk = {"qk_norm": True} if getattr(config, "use_qk_norm", False) else {}
-    if type(layer.mlp).__name__ != _BLOCK:
-        fields = config_shape(layer, config, spec)
-        fields.pop("qk_norm", None)
-        return {**fields, **qk}
-    fields = moe_shape(layer, config, spec)
-    fields.pop("qk_norm", None)
-    block = layer.mlp
-    shared = getattr(block.shared_experts.gate_proj, "base_layer", block.shared_experts.gate_proj)
-    moe = MoE(num_experts=block.experts.num_experts, top_k=block.gate.top_k, expert_dim=block.experts.intermediate_dim,
-              weights_dtype=torch.float32, norm_topk_prob=bool(block.gate.norm_topk_prob),
-              shared_dim=shared.out_features, shared_gate=False)
-    return {**fields, **qk, "moe": moe, "scalar_multipliers": 1}
-
-
-SPEC = llama_shaped("glm4_moe", "Glm4Moe", shape=_shape, qk_norm=True, attention_optional=("q_norm", "k_norm"),
+# the router's scale by routed_scaling_factor keeps the float (scalars=1); the shared experts add without a gate
+SPEC = llama_shaped("glm4_moe", "Glm4Moe", qk_norm=True, attention_optional=("q_norm", "k_norm"),
                     moe=MoESpec(_BLOCK, ("experts", "gate", "shared_experts"), "Glm4MoeExperts", "Glm4MoeTopkRouter",
-                                block_forward=_block_forward, check=_check_block, weights_dtype=torch.float32))
+                                block_forward=_block_forward, check=_check_block, weights_dtype=torch.float32,
+                                ungated_shared="shared_experts", scalars=1))

@@ -19,12 +19,10 @@ from ..memory.estimate import MoE
 from ..storages import PLAIN_TENSOR_TYPES
 from .checks import check_children, is_class, modules_of
 from .errors import ConversionError
-from .layer_shape import config_shape
 from .moe import (
     IMPLEMENTATIONS,
     MoESpec,
     _autocast_dtype,
-    _DenseView,
     _in_tiles,
     _records,
     _routes,
@@ -201,22 +199,19 @@ class GptOssMoESpec(MoESpec):
     def patches(self, root):
         return [(m, experts_forward) for _, m in modules_of(root, _EXPERTS)]  # the block: the spec's MLP forward
 
+    def memory(self, block):
+        """memory.MoE of the block: gpt-oss's router keeps top-k's indices and the softmax over the top-k logits
+        (the routing weights) only."""
+        return MoE(num_experts=block.experts.num_experts, top_k=block.router.top_k,
+                   expert_dim=block.experts.intermediate_size, norm_topk_prob=False, router="topk_softmax")
 
-def _shape(layer, config, spec):
-    """config_shape of the attention with memory.MoE for the block: gpt-oss's router keeps top-k's indices and the
-    softmax over the top-k logits (the routing weights) only; its norms keep no statistics."""
-    block = layer.mlp
-    fields = config_shape(_DenseView(layer), config, spec)
-    moe = MoE(num_experts=block.experts.num_experts, top_k=block.router.top_k,
-              expert_dim=block.experts.intermediate_size, norm_topk_prob=False, router="topk_softmax")
-    fields.update(ffn_dim=moe.expert_dim, mlp_ratio=moe.expert_dim / fields["hidden_dim"], moe=moe,
-                  activation="swiglu", norm_stats=False)
-    return fields
+    def activation(self, block):
+        return "swiglu"  # the clamped SwiGLU keeps gate and up as SwiGLU does
 
 
 # every layer's MLP is the MoE block: the spec's MLP names it with the block's forward (the driver patches it once,
 # and checks it as the MoE block it also is)
 SPEC = llama_shaped("gpt_oss", "GptOss", norm=NormSpec("rmsnorm", "GptOssRMSNorm", rounding="float32_scale"),
-                    mlp=MLPSpec(_BLOCK, "gate_up", GATE_UP_CHILDREN, forward=_block_forward), shape=_shape,
+                    mlp=MLPSpec(_BLOCK, "gate_up", GATE_UP_CHILDREN, forward=_block_forward),
                     moe=GptOssMoESpec(_BLOCK, ("router", "experts"), _EXPERTS, _ROUTER, block_forward=_block_forward,
                                       router_child="router"))

@@ -56,7 +56,6 @@ from ..ops.swiglu import gated_product_backward_op, gated_product_op, gated_prod
 from ..storages import PLAIN_TENSOR_TYPES
 from .checks import check_children, is_class, modules_of
 from .errors import ConversionError
-from .layer_shape import config_shape
 from .patches import activate, mlp_tiles, tiled_forward
 
 # experts implementation -> (how a token's rows are summed, the matmuls' dtype rule)
@@ -430,6 +429,10 @@ class MoESpec:
     check: object = None  # extra checks (block, name) raising ConversionError
     weights_dtype: object = None  # the routing weights' dtype (Mixtral's stay float32), None: the router logits'
     router_child: str = "gate"  # the block's router child (of class `router`)
+    # a shared expert added without a gate (GLM-4.5's "shared_experts", a gated MLP the spec's check verifies): its
+    # child; None: none, or Qwen2-MoE's gated one (`shared`)
+    ungated_shared: str = None
+    scalars: int = 0  # products by a Python float in the block (GLM-4.5's routed_scaling_factor), 8 bytes each
 
     def check_block(self, block, name, model_type, mlp_cls):
         router = getattr(block, self.router_child, None)
@@ -454,46 +457,24 @@ class MoESpec:
         if self.check is not None:
             self.check(block, name)
 
+    def memory(self, block):
+        """memory.MoE of a converted block: its experts, top-k and widths, its shared expert's width."""
+        experts, router = block.experts, getattr(block, self.router_child)
+        shared = (block.shared_expert if self.shared else getattr(block, self.ungated_shared)
+                  if self.ungated_shared else None)
+        shared_dim = 0 if shared is None else getattr(shared.gate_proj, "base_layer", shared.gate_proj).out_features
+        return MoE(num_experts=experts.num_experts, top_k=router.top_k, expert_dim=experts.intermediate_dim,
+                   weights_dtype=self.weights_dtype, norm_topk_prob=bool(getattr(router, "norm_topk_prob", True)),
+                   shared_dim=shared_dim, shared_gate=not self.ungated_shared)
+
+    def activation(self, block):
+        """The LayerShape activation of the experts: each routed row keeps gate and up ("swiglu" for SiLU)."""
+        return "swiglu" if kernel_activation(block.experts.act_fn) == "silu" else "geglu"
+
     def patches(self, root):
         out = [(m, experts_forward) for _, m in modules_of(root, self.experts)]
         block_forward = self.block_forward or routed_block_forward
         return out + [(m, block_forward) for _, m in modules_of(root, self.block)]
-
-
-def moe_of(block, spec):
-    """memory.MoE for a converted MoE block (its config's experts, top-k and widths)."""
-    experts, router = block.experts, getattr(block, spec.moe.router_child)
-    weights_dtype = spec.moe.weights_dtype
-    norm = bool(getattr(router, "norm_topk_prob", True))
-    shared = block.shared_expert.gate_proj if spec.moe.shared else None
-    return MoE(num_experts=experts.num_experts, top_k=router.top_k, expert_dim=experts.intermediate_dim,
-               weights_dtype=weights_dtype, norm_topk_prob=norm,
-               shared_dim=0 if shared is None else getattr(shared, "base_layer", shared).out_features)
-
-
-def moe_shape(layer, config, spec):
-    """config_shape's LayerShape fields, with `moe` (memory.MoE) when the layer's MLP is a sparse MoE block."""
-    mlp = layer.mlp
-    qk = {"qk_norm": True} if spec.qk_norm else {}
-    if not is_class(mlp, spec.moe.block):
-        return {**config_shape(layer, config, spec), **qk}
-    fields = {**config_shape(_DenseView(layer), config, spec), **qk}
-    moe = moe_of(mlp, spec)
-    fields.update(ffn_dim=moe.expert_dim, mlp_ratio=moe.expert_dim / fields["hidden_dim"], moe=moe,
-                  activation="swiglu" if kernel_activation(mlp.experts.act_fn) == "silu" else "geglu")
-    return fields
-
-
-class _DenseView:
-    """A layer seen by config_shape before it reads the MLP's activation: only its attention matters."""
-
-    def __init__(self, layer):
-        self.self_attn = layer.self_attn
-        self.mlp = _ActView()
-
-
-class _ActView:
-    act_fn = torch.nn.SiLU()
 
 
 def refuse_jitter(block, name):

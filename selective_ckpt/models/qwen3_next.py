@@ -6,12 +6,12 @@ RoPE (models/hybrid.py: the gate's product rebuilt). Linear-attention layers: th
 transformers' own module and keeps what it saves (spec.MixerSpec, said once at convert); their norms and MLP
 convert."""
 
-from .hybrid import HYBRID_CHILDREN, attention_patches, check_attention, deltanet, hybrid_shape
+from .hybrid import HYBRID_CHILDREN, attention_patches, check_attention, deltanet
 from .moe import MoESpec, shared_expert_block_forward
 from .spec import NormSpec, llama_shaped
 
 SPEC = llama_shaped("qwen3_next", "Qwen3Next", children=HYBRID_CHILDREN,
-                    norm=NormSpec("rmsnorm", "Qwen3NextRMSNorm", offset=1.0), qk_norm=True, shape=hybrid_shape,
+                    norm=NormSpec("rmsnorm", "Qwen3NextRMSNorm", offset=1.0), qk_norm=True, attention_gate=True,
                     mixer=deltanet("Qwen3Next"), patches=attention_patches("Qwen3NextAttention"),
                     check=check_attention("Qwen3NextAttention"),
                     moe=MoESpec("Qwen3NextSparseMoeBlock", ("gate", "experts", "shared_expert", "shared_expert_gate"),

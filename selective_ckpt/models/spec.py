@@ -99,17 +99,24 @@ class ModelSpec:
     attention: str  # attention class name
     attention_children: tuple
     mlp: MLPSpec
-    # shape reader (layer, config, spec) -> LayerShape fields (memory.planner); None: models/layer_shape.py's
-    # generic one, which reads the form from this spec and the widths from the config
+    # shape reader (layer, config, spec) -> LayerShape fields (memory.planner); None: layer_shape.config_shape, which
+    # reads the form from this spec and the widths from the config (a family's own adds what its config decides)
     shape: object = None
     residual: str = "pre-norm"
     qk_norm: object = False  # attention holds q_norm and k_norm (of the spec's norm class): True per head,
     # "projection" over the whole q_proj / k_proj output, "rotated" per head after RoPE
-    qk_norm_children: tuple = ("q_norm", "k_norm")  # the attention's q and k norm children, when qk_norm
+    # the attention's q and k norm children, when qk_norm; a third one normalises v (Gemma 4), its norms keeping no
+    # statistics: then each projection's output is kept once, as its norm's input, and the rest is rebuilt
+    qk_norm_children: tuple = ("q_norm", "k_norm")
+    # attention's output gated by sigmoid of a second half of q_proj (Qwen3-Next: hybrid.gated_attention_forward)
+    attention_gate: bool = False
     # attention children (of attention_children and qk_norm_children) a layer's attention may lack (GLM-4.5's q/k
     # norms by config.use_qk_norm); every other one must be there
     attention_optional: tuple = ()
     dropout: bool = False  # every nn.Dropout of the model keeps a seed instead of a mask
+    # products by a Python float in the layer's own forward (Granite's residual multipliers), each keeping the float
+    # as a 0-dim float64 tensor
+    scalar_multipliers: int = 0
     check: object = None  # extra checks (root, name) raising ConversionError, or None
     patches: object = None  # extra patches (root) -> [(module, forward), ...] after the checks, or None
     moe: object = None  # a sparse mixture-of-experts MLP the "mlp" child may be instead (models/moe.py MoESpec)
@@ -141,6 +148,9 @@ class ModelSpec:
         if unknown:
             raise ValueError(f"model spec {self.model_types}: optional attention children {unknown} are not among "
                              f"its attention children {self.attention_children} or q/k norms {self.qk_norm_children}")
+        if len(self.qk_norm_children) not in (2, 3) or (len(self.qk_norm_children) == 3 and self.norm.keeps_stats):
+            raise ValueError(f"model spec {self.model_types}: q/k norm children {self.qk_norm_children}: a q and a k "
+                             "norm, and a v norm only where the norms keep no statistics (rounding 'float32_scale')")
         if self.qk_norm not in QK_NORMS or self.norm.rounding not in NORM_ROUNDINGS:
             raise ValueError(f"model spec {self.model_types}: qk_norm {self.qk_norm!r} (one of {QK_NORMS}), norm "
                              f"rounding {self.norm.rounding!r} (one of {NORM_ROUNDINGS})")

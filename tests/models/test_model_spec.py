@@ -66,3 +66,44 @@ def test_an_optional_attention_child_may_be_missing(monkeypatch):
     model.model.layers[1].self_attn.v_proj = None
     layers, _ = models.hf.plan(model, lenient, "llama")
     assert len(layers) == 2
+
+
+def test_a_v_norm_needs_norms_without_statistics():
+    with pytest.raises(ValueError, match="a v norm only where the norms keep no statistics"):
+        llama_shaped("x", "X", qk_norm=True, qk_norm_children=("q_norm", "k_norm", "v_norm"))
+    spec = model_specs()["gemma4_text"]
+    assert len(spec.qk_norm_children) == 3 and not spec.norm.keeps_stats
+
+
+def test_the_form_comes_from_the_spec_alone():
+    """OLMo 3 declares its form once (post-norm, projection-wide q/k norms, float32-scale norms): the one shape
+    reader gives the estimate exactly that, with no reader of its own."""
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    from selective_ckpt.models.layer_shape import config_shape
+
+    spec = model_specs()["olmo3"]
+    assert spec.shape is None
+    config = Olmo3Config(vocab_size=97, hidden_size=48, intermediate_size=88, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    shape = config_shape(Olmo3ForCausalLM(config).model.layers[0], config, spec)
+    assert (shape["residual"], shape["qk_norm"], shape["norm_stats"]) == ("post-norm", "projection", False)
+    assert shape["activation"] == "swiglu" and "moe" not in shape and "scalar_multipliers" not in shape
+
+
+def test_a_moe_block_is_read_without_a_stand_in_layer():
+    """The MoE block's memory.MoE and activation come from its spec (MoESpec.memory, .activation) and the block."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from selective_ckpt.models.layer_shape import config_shape
+
+    config = Qwen2MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=88, moe_intermediate_size=40,
+                            shared_expert_intermediate_size=56, num_experts=5, num_experts_per_tok=2,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=64, mlp_only_layers=[1])
+    spec = model_specs()["qwen2_moe"]
+    sparse, dense = (config_shape(layer, config, spec) for layer in Qwen2MoeForCausalLM(config).model.layers)
+    assert (sparse["moe"].num_experts, sparse["moe"].top_k, sparse["moe"].expert_dim) == (5, 2, 40)
+    assert (sparse["moe"].shared_dim, sparse["moe"].shared_gate, sparse["ffn_dim"]) == (56, True, 40)
+    assert sparse["activation"] == dense["activation"] == "swiglu"
+    assert "moe" not in dense and dense["ffn_dim"] == 88
