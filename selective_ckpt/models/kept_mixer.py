@@ -6,6 +6,7 @@ import weakref
 
 import torch
 
+from ..memory.ledger import graph_saved_tensors
 from ..storages import storage_bytes, storage_id
 
 
@@ -54,19 +55,11 @@ def _run_fake(mixer, seq_len, batch, dtype, compute_dtype):
 def _unhooked(y, known):
     """{storage: bytes} of what the graph behind y saved without passing the saved-tensor hooks: a Python number
     a tensor was multiplied by, kept as a 0-dim float64 tensor."""
-    from ..memory.ledger import _node_saved
-
-    out, seen, stack = {}, set(), [y.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for t in _node_saved(node):
-            sid = storage_id(t)
-            if sid is not None and sid not in known:
-                out[sid] = storage_bytes(t)
-        stack += [n for n, _ in node.next_functions]
+    out = {}
+    for t in graph_saved_tensors(y):
+        sid = storage_id(t)
+        if sid is not None and sid not in known:
+            out[sid] = storage_bytes(t)
     return out
 
 
