@@ -1,4 +1,4 @@
-// Activation math shared by the GELU-MLP (gelu.cpp) and the gated MLP (swiglu.cpp) kernels:
+// Activation math shared by the GELU-MLP (gelu_mlp.cpp) and the gated MLP (gated_mlp.cpp) kernels:
 // exact (erf) GELU, tanh-GELU and SiLU in float (branch-free, vectorisable through fast_expf) and in
 // double (libm).
 #pragma once

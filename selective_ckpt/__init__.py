@@ -12,10 +12,10 @@ from .models import ConversionError, convert
 from .ops.attention import attention
 from .ops.cross_entropy import linear_cross_entropy
 from .ops.dropout import dropout
-from .ops.gelu import gelu_mlp
+from .ops.gated_mlp import swiglu_mlp
+from .ops.gelu_mlp import gelu_mlp
 from .ops.layer_norm import layer_norm
 from .ops.rms_norm import rms_norm
-from .ops.swiglu import swiglu_mlp
 from .registry import recomputable_layers
 
 __all__ = ["ConversionError", "SelectiveDecoderLayer", "attention", "convert", "dropout", "gelu_mlp", "keeping",

@@ -33,7 +33,7 @@ ACTIVATIONS = {
 LAYER_ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "geglu")  # SelectiveDecoderLayer(activation=...)
 GATED_LAYER_ACTIVATIONS = ("swiglu", "geglu")
 
-# Kernel activation -> the `approximate` argument of the GELU op (ops/gelu.py).
+# Kernel activation -> the `approximate` argument of the GELU op (ops/gelu_mlp.py).
 GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
 

@@ -4,8 +4,8 @@ The norm is LayerNorm (affine, with or without bias; keeps x, mean, rstd) or RMS
 (y = x * rstd * (offset + w), ops/rms_norm.py; keeps x and rstd). The consumer is
 
 - `norm_linear(...)`: one or several Linears reading the norm output (q, k, v as one or three);
-- `norm_mlp(...)`: an MLP of any kernel activation, plain (fc1 -> act -> fc2, ops/gelu.py; keeps
-  the fc1 output) or gated (down(act(gate) * up), ops/swiglu.py; keeps the gate and up outputs).
+- `norm_mlp(...)`: an MLP of any kernel activation, plain (fc1 -> act -> fc2, ops/gelu_mlp.py; keeps
+  the fc1 output) or gated (down(act(gate) * up), ops/gated_mlp.py; keeps the gate and up outputs).
 
 The norm output (and the MLP's activation output) is rebuilt in backward unless `store`. Stored and
 rebuilt outputs come from the same kernel and the same saved statistics, so `store=True` and
@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from .activations import GELU_APPROXIMATE, KERNEL_ACTIVATIONS
 from .double_backward import first_order_only
 from .keeping import pipeline
-from .ops.gelu import mlp_backward, mlp_forward
+from .ops.gated_mlp import gated_mlp_backward, gated_mlp_forward
+from .ops.gelu_mlp import gelu_mlp_backward, gelu_mlp_forward
 from .ops.layer_norm import layer_norm_apply, layer_norm_bwd, layer_norm_fwd
 from .ops.rms_norm import rms_norm_apply, rms_norm_bwd, rms_norm_fwd
-from .ops.swiglu import gated_mlp_backward, gated_mlp_forward
 from .validation import NORMS, check_choice
 
 MLP_KINDS = ("plain", "gated")
@@ -116,7 +116,7 @@ def _mlp_forward(ctx, u, params, seed):
         out, gate, up, a = gated_mlp_forward(u, *cast, ctx.p, ctx.activation, seed, ctx.store)
         inner = (gate, up)
     else:
-        out, h, a = mlp_forward(u, *cast, ctx.p, GELU_APPROXIMATE[ctx.activation], seed, ctx.store)
+        out, h, a = gelu_mlp_forward(u, *cast, ctx.p, GELU_APPROXIMATE[ctx.activation], seed, ctx.store)
         inner = (h,)
     for t in inner:
         pipeline.tag(t, "mlp")  # the matmul outputs (keeping.policy's classes)
@@ -134,7 +134,7 @@ def _mlp_backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild):
     if ctx.mlp == "gated":
         grads = gated_mlp_backward(*args, ctx.activation, seed, (need_u, *need_params))
     else:
-        grads = mlp_backward(*args, GELU_APPROXIMATE[ctx.activation], seed, (need_u, *need_params))
+        grads = gelu_mlp_backward(*args, GELU_APPROXIMATE[ctx.activation], seed, (need_u, *need_params))
     del u, args
     return grads[0], [g if g is None or dt is None else g.to(dt) for g, dt in zip(grads[1:], ctx.param_dtypes)]
 

@@ -16,7 +16,7 @@ main loop: the largest innermost loop), shared memory from the kernel metadata. 
 number of spill instructions; n_wgmma_serialized counts the wgmma that ptxas made wait for
 themselves (its C7515 "Potential Performance Loss"), read from the SASS.
 
-    python tests/gpu_compile_check.py [--json PATH] [--only attention|dropout|layer_norm|gelu|philox|llama_blocks]
+    python tests/gpu_compile_check.py [--json PATH] [--only attention|dropout|layer_norm|gelu_mlp|philox|llama_blocks]
 """
 
 import argparse
@@ -276,15 +276,15 @@ def exercise_layer_norm():
                             torch.empty_like(w), rows, n)
 
 
-def exercise_gelu():
-    from selective_ckpt.triton_kernels import gelu
+def exercise_gelu_mlp():
+    from selective_ckpt.triton_kernels import gelu_mlp
 
     for dtype in DTYPES.values():
         for approximate in (0, 1):
             h = torch.empty(4096 * 4, dtype=dtype)
             with label(case="tanh" if approximate else "erf"):
-                gelu.forward(h, torch.empty_like(h), h.numel(), approximate)
-                gelu.backward_(torch.empty_like(h), h, h.numel(), approximate)
+                gelu_mlp.forward(h, torch.empty_like(h), h.numel(), approximate)
+                gelu_mlp.backward_(torch.empty_like(h), h, h.numel(), approximate)
 
 
 def exercise_philox():
@@ -322,7 +322,7 @@ def exercise_llama_blocks():
 
 
 FAMILIES = {"attention": exercise_attention, "dropout": exercise_dropout, "layer_norm": exercise_layer_norm,
-            "gelu": exercise_gelu, "philox": exercise_philox, "llama_blocks": exercise_llama_blocks}
+            "gelu_mlp": exercise_gelu_mlp, "philox": exercise_philox, "llama_blocks": exercise_llama_blocks}
 
 
 def main(argv=None):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import selective_ckpt as sc
 from selective_ckpt import fused
 from selective_ckpt.layers import SelectiveDecoderLayer
-from selective_ckpt.ops.gelu import gelu_backward_op, gelu_op
+from selective_ckpt.ops.gelu_mlp import gelu_backward_op, gelu_op
 
 DOUBLE_BACKWARD = "does not support double backward"
 

@@ -19,7 +19,7 @@ FAMILIES = [
     ("attention forward", ("selective_ckpt::attention_fwd",)),
     ("attention backward", ("selective_ckpt::attention_bwd",)),
     ("norms", ("selective_ckpt::layer_norm", "selective_ckpt::rms_norm")),
-    ("activations", ("selective_ckpt::gelu", "selective_ckpt::gated", "selective_ckpt::swiglu")),
+    ("activations", ("selective_ckpt::gelu", "selective_ckpt::gated")),
     ("dropout", ("selective_ckpt::dropout",)),
     ("matmuls", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
     ("copies and casts", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::clone")),

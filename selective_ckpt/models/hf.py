@@ -18,12 +18,12 @@ from .errors import ConversionError
 from .layer_shape import config_shape
 from .patches import (
     dropout_forward,
-    gelu_mlp_forward_factory,
+    fc_mlp_forward_factory,
+    gate_up_mlp_forward,
     layer_norm_forward,
     own_forward_norm,
     packed_gate_up_mlp_forward,
     rms_norm_forward,
-    swiglu_mlp_forward,
 )
 from .patching import patch_forward
 from .spec import ModelSpec, NormSpec
@@ -177,11 +177,11 @@ def _norm_forward(norm, kept="residual"):
 
 def _mlp_forward(mlp):
     if mlp.layout == "gate_up":
-        return swiglu_mlp_forward
+        return gate_up_mlp_forward
     if mlp.layout == "packed_gate_up":
         return packed_gate_up_mlp_forward
     fc_in, act, fc_out, *dropout = mlp.children
-    return gelu_mlp_forward_factory(fc_in, act, fc_out, dropout[0] if dropout else None)
+    return fc_mlp_forward_factory(fc_in, act, fc_out, dropout[0] if dropout else None)
 
 
 def apply(root, layers, patches, mode, spec):

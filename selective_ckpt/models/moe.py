@@ -52,7 +52,7 @@ from ..activations import has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
 from ..keeping import pipeline, tiling
 from ..memory.estimate import MoE
-from ..ops.swiglu import gated_product_backward_op, gated_product_op, gated_product_rebuild_op
+from ..ops.gated_mlp import gated_product_backward_op, gated_product_op, gated_product_rebuild_op
 from ..storages import PLAIN_TENSOR_TYPES
 from .checks import check_children, is_class, modules_of
 from .errors import ConversionError

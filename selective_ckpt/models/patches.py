@@ -16,10 +16,10 @@ from ..activations import GELU_APPROXIMATE, has_own_hooks, kernel_activation
 from ..double_backward import first_order_only
 from ..keeping import pipeline, tiling
 from ..ops.dropout import dropout_op
-from ..ops.gelu import gelu_backward_op, gelu_op
+from ..ops.gated_mlp import gated_product, gated_product_op
+from ..ops.gelu_mlp import gelu_backward_op, gelu_op
 from ..ops.layer_norm import layer_norm_apply, layer_norm_fwd
 from ..ops.rms_norm import rms_norm_apply, rms_norm_fwd
-from ..ops.swiglu import gated_product, gated_product_op
 from .patching import PATCHED
 
 
@@ -199,15 +199,15 @@ def mlp_tiles(module):
     return getattr(module, MLP_TILES, 1)
 
 
-def _swiglu(self, x):
+def _gate_up_mlp(self, x):
     gate, up = self.gate_proj(x), self.up_proj(x)
     return self.down_proj(activate(self.act_fn, gate, up))
 
 
-def swiglu_mlp_forward(self, x):
+def gate_up_mlp_forward(self, x):
     """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(act_fn(gate(x)) * up(x)), projections as modules."""
     pipeline.tag(x, "residual", if_untagged=True)  # x1 where no norm precedes the MLP (post-norm layers)
-    return tiling.run_in_tiles(functools.partial(_swiglu, self), x, mlp_tiles(self))
+    return tiling.run_in_tiles(functools.partial(_gate_up_mlp, self), x, mlp_tiles(self))
 
 
 def _packed_gate_up(self, x):
@@ -248,7 +248,7 @@ def dropout_by_seed(x, p, training):
     return pipeline.discardable(dropout_op(x, p, seed), dropout_op, pipeline.source(x), p, seed)
 
 
-def gelu_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="dropout"):
+def fc_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="dropout"):
     """The forward of a plain MLP dropout(fc_out(act(fc_in(x)))) with these child names (GPT2MLP's by
     default; dropout None for none), its activation applied by `activate`."""
     def forward(self, hidden_states):
@@ -265,7 +265,7 @@ def gelu_mlp_forward_factory(fc_in="c_fc", act="act", fc_out="c_proj", dropout="
 
 # The code of each MLP forward that tiles (a factory's closures share their code, also once unpickled); the
 # mixture-of-experts blocks' forwards (models/moe.py) add theirs through `tiled_forward`.
-_TILED_CODES = {f.__code__ for f in (swiglu_mlp_forward, packed_gate_up_mlp_forward, gelu_mlp_forward_factory())}
+_TILED_CODES = {f.__code__ for f in (gate_up_mlp_forward, packed_gate_up_mlp_forward, fc_mlp_forward_factory())}
 
 
 def tiled_forward(forward):

@@ -8,14 +8,14 @@ runs with its rate at 0 for the call, and the same dropout is applied by seed to
 """
 
 from .checks import modules_of
-from .patches import dropout_by_seed, swiglu_mlp_forward
+from .patches import dropout_by_seed, gate_up_mlp_forward
 from .patching import PATCHED
 from .spec import GATE_UP_CHILDREN, MLPSpec, llama_shaped
 
 
 def _mlp_forward(self, x):
     """SeedOssMLP: dropout(down(act(gate(x)) * up(x)), residual_dropout), the dropout by seed."""
-    return dropout_by_seed(swiglu_mlp_forward(self, x), self.residual_dropout, self.training)
+    return dropout_by_seed(gate_up_mlp_forward(self, x), self.residual_dropout, self.training)
 
 
 def _attention_forward(self, *args, **kwargs):

@@ -20,7 +20,7 @@ ROLES = ("norm", "attention", "mlp", "dropout", "mixer", "own")
 # separate gate_proj / up_proj / down_proj; fc_in -> act -> fc_out (GELU fc); one gate_up_proj whose output
 # is chunked into gate and up (Phi-3)
 MLP_LAYOUTS = ("gate_up", "fc", "packed_gate_up")
-GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.swiglu_mlp_forward reads
+GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.gate_up_mlp_forward reads
 PACKED_GATE_UP_CHILDREN = ("gate_up_proj", "down_proj", "activation_fn")  # patches.packed_gate_up_mlp_forward
 # Residual forms the driver converts. Patching leaves the layer's own forward in place, so any form
 # would compute right; the memory estimate (memory/estimate.py) counts what each keeps:

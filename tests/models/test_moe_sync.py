@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from selective_ckpt import convert
 from selective_ckpt.models.moe import RoutedExperts, grouped_mm_op
-from selective_ckpt.ops.swiglu import gated_product_op
+from selective_ckpt.ops.gated_mlp import gated_product_op
 from tests.models.families.moe import FAMILIES
 from tests.models.hf_checks import batch
 

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from selective_ckpt import gelu_mlp, rng
-from selective_ckpt.ops.gelu import gelu_op, gelu_rebuild_op, mlp_backward, mlp_forward
+from selective_ckpt.ops.gelu_mlp import gelu_mlp_backward, gelu_mlp_forward, gelu_op, gelu_rebuild_op
 from tests.reference import assert_within_rule
 
 NAMES = ("x", "w1", "b1", "w2", "b2")
@@ -261,8 +261,8 @@ def test_only_needed_grads_are_computed():
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, atol=2e-5, rtol=1e-5)
     args = [low[n].detach() for n in NAMES]
-    _, h, _ = mlp_forward(*args, 0.17, "tanh", rng.seed_arg(4), False)
-    only_db2 = mlp_backward(dy, args[0], h, None, *args[1:], 0.17, "tanh", rng.seed_arg(4),
+    _, h, _ = gelu_mlp_forward(*args, 0.17, "tanh", rng.seed_arg(4), False)
+    only_db2 = gelu_mlp_backward(dy, args[0], h, None, *args[1:], 0.17, "tanh", rng.seed_arg(4),
                             (False, False, False, False, True))
     assert only_db2[:4] == (None,) * 4
     torch.testing.assert_close(only_db2[4], got[2])
@@ -271,12 +271,12 @@ def test_only_needed_grads_are_computed():
 def test_plain_functions_match_autograd_op():
     _, t = make_inputs((2, 7), 12, 24, 5, torch.bfloat16)
     args = [t[n].detach() for n in NAMES]
-    y, h, a = mlp_forward(*args, 0.17, "tanh", rng.seed_arg(21), False)
+    y, h, a = gelu_mlp_forward(*args, 0.17, "tanh", rng.seed_arg(21), False)
     assert a is None and h.shape == (2, 7, 24)
     y_op = ours(t, 0.17, "tanh", 21)
     assert torch.equal(y, y_op)
     dy = torch.randn(2, 7, 5).to(torch.bfloat16)
-    got = mlp_backward(dy, args[0], h, None, *args[1:], 0.17, "tanh", rng.seed_arg(21), (True,) * 5)
+    got = gelu_mlp_backward(dy, args[0], h, None, *args[1:], 0.17, "tanh", rng.seed_arg(21), (True,) * 5)
     want = grads(y_op, t, dy)
     for n, g in zip(NAMES, got):
         assert torch.equal(g, want[n]), n

@@ -46,7 +46,7 @@ def _gated_product(gate, up, activation):
     gate, up = gate.contiguous(), up.contiguous()
     a = torch.empty_like(gate)
     if gate.numel():
-        backend.call("swiglu", "forward", gate, up, a, gate.numel(), code)
+        backend.call("gated_mlp", "forward", gate, up, a, gate.numel(), code)
     return a
 
 
@@ -56,7 +56,7 @@ def gated_product_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> t
     return _gated_product(gate, up, activation)
 
 
-# Backward's rebuild of a, under a name of its own for the reason of ops/gelu.py's gelu_rebuild_op
+# Backward's rebuild of a, under a name of its own for the reason of ops/gelu_mlp.py's gelu_rebuild_op
 # (torch.compile would merge it with forward's product and keep a).
 @torch.library.custom_op("selective_ckpt::gated_product_rebuild", mutates_args=())
 def gated_product_rebuild_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -85,7 +85,7 @@ def gated_product_backward_op(grad: torch.Tensor, gate: torch.Tensor, up: torch.
     if grad.numel() == 0:
         return dup
     work = grad if grad.is_contiguous() else grad.contiguous()
-    backend.call("swiglu", "backward", work, gate, up, work, dup, gate.numel(), code)
+    backend.call("gated_mlp", "backward", work, gate, up, work, dup, gate.numel(), code)
     if work is not grad:
         grad.copy_(work)
     return dup
@@ -117,7 +117,7 @@ class _GatedProduct(torch.autograd.Function):
         return gated_product_op(gate, up, activation)
 
     @staticmethod
-    @first_order_only("selective_ckpt.ops.swiglu.gated_product")
+    @first_order_only("selective_ckpt.ops.gated_mlp.gated_product")
     def backward(ctx, da):
         gate, up = ctx.saved_tensors
         dgate = da.clone(memory_format=torch.contiguous_format)  # autograd's da is not ours to overwrite

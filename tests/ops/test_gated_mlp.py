@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from selective_ckpt import rng, swiglu_mlp
-from selective_ckpt.ops.swiglu import (
+from selective_ckpt.ops.gated_mlp import (
     gated_product,
     gated_product_backward_op,
     gated_product_op,

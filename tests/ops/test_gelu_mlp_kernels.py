@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selective_ckpt.ops.gelu import gelu_backward_op, gelu_op
+from selective_ckpt.ops.gelu_mlp import gelu_backward_op, gelu_op
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])

@@ -1,4 +1,4 @@
-// Elementwise passes of the GELU-MLP (selective_ckpt/ops/gelu.py): the GELU of the fc1 output h in
+// Elementwise passes of the GELU-MLP (selective_ckpt/ops/gelu_mlp.py): the GELU of the fc1 output h in
 // forward (and again in backward, where it is recomputed instead of stored) and the in-place
 // product g *= gelu'(h). Both GELU forms (Hendrycks & Gimpel 2016): "none" is x * Phi(x) with
 // the normal CDF Phi, "tanh" is GPT-2's gelu_new 0.5 x (1 + tanh(u)) = x * sigmoid(2u) with
@@ -147,7 +147,7 @@ void gelu_backward_span(T* g, const T* h, int64_t n, bool tanh_form) {
 }
 
 // approximate: 0 = erf ("none"), 1 = tanh. h and a are contiguous buffers of n elements.
-void gelu_forward(int dtype, uintptr_t h, uintptr_t a, int64_t n, int approximate) {
+void gelu_mlp_forward(int dtype, uintptr_t h, uintptr_t a, int64_t n, int approximate) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* hp = as_ptr<const T>(h);
@@ -159,7 +159,7 @@ void gelu_forward(int dtype, uintptr_t h, uintptr_t a, int64_t n, int approximat
 }
 
 // grad *= gelu'(h) in place: grad is the buffer of dy @ w2, so dh needs no new memory.
-void gelu_backward_(int dtype, uintptr_t grad, uintptr_t h, int64_t n, int approximate) {
+void gelu_mlp_backward_(int dtype, uintptr_t grad, uintptr_t h, int64_t n, int approximate) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     T* gp = as_ptr<T>(grad);
@@ -170,14 +170,14 @@ void gelu_backward_(int dtype, uintptr_t grad, uintptr_t h, int64_t n, int appro
   });
 }
 
-void register_gelu(py::module_& m) {
-  m.def("gelu_forward", &gelu_forward, py::arg("dtype"), py::arg("h"), py::arg("a"), py::arg("n"),
+void register_gelu_mlp(py::module_& m) {
+  m.def("gelu_mlp_forward", &gelu_mlp_forward, py::arg("dtype"), py::arg("h"), py::arg("a"), py::arg("n"),
         py::arg("approximate"), py::call_guard<py::gil_scoped_release>());
-  m.def("gelu_backward_", &gelu_backward_, py::arg("dtype"), py::arg("grad"), py::arg("h"),
+  m.def("gelu_mlp_backward_", &gelu_mlp_backward_, py::arg("dtype"), py::arg("grad"), py::arg("h"),
         py::arg("n"), py::arg("approximate"), py::call_guard<py::gil_scoped_release>());
 }
 
-SCKPT_REGISTER(register_gelu);
+SCKPT_REGISTER(register_gelu_mlp);
 
 }  // namespace
 }  // namespace sckpt

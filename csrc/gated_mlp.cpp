@@ -1,4 +1,4 @@
-// Elementwise passes of the gated MLP (selective_ckpt/ops/swiglu.py), y = down(act(gate) * up):
+// Elementwise passes of the gated MLP (selective_ckpt/ops/gated_mlp.py), y = down(act(gate) * up):
 //   forward (and backward's rebuild for down's weight gradient):  a = act(gate) * up
 //   backward, one pass over (g, gate, up):  dgate = g * up * act'(gate),  dup = g * act(gate)
 // act is SiLU (SwiGLU, code 0), tanh-GELU (GeGLU, code 1) or exact erf GELU (GeGLU, code 2). dgate may
@@ -118,7 +118,7 @@ void backward_span(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n,
 }
 
 // gate, up, a: contiguous buffers of n elements; act 0 = SiLU, 1 = tanh-GELU, 2 = erf GELU.
-void swiglu_forward(int dtype, uintptr_t gate, uintptr_t up, uintptr_t a, int64_t n, int act) {
+void gated_mlp_forward(int dtype, uintptr_t gate, uintptr_t up, uintptr_t a, int64_t n, int act) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* gp = as_ptr<const T>(gate);
@@ -129,8 +129,8 @@ void swiglu_forward(int dtype, uintptr_t gate, uintptr_t up, uintptr_t a, int64_
 }
 
 // dgate may equal dy (written in place).
-void swiglu_backward(int dtype, uintptr_t dy, uintptr_t gate, uintptr_t up, uintptr_t dgate, uintptr_t dup,
-                     int64_t n, int act) {
+void gated_mlp_backward(int dtype, uintptr_t dy, uintptr_t gate, uintptr_t up, uintptr_t dgate, uintptr_t dup,
+                        int64_t n, int act) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* yp = as_ptr<const T>(dy);
@@ -144,14 +144,14 @@ void swiglu_backward(int dtype, uintptr_t dy, uintptr_t gate, uintptr_t up, uint
   });
 }
 
-void register_swiglu(py::module_& m) {
-  m.def("swiglu_forward", &swiglu_forward, py::arg("dtype"), py::arg("gate"), py::arg("up"), py::arg("a"),
+void register_gated_mlp(py::module_& m) {
+  m.def("gated_mlp_forward", &gated_mlp_forward, py::arg("dtype"), py::arg("gate"), py::arg("up"), py::arg("a"),
         py::arg("n"), py::arg("act"), py::call_guard<py::gil_scoped_release>());
-  m.def("swiglu_backward", &swiglu_backward, py::arg("dtype"), py::arg("dy"), py::arg("gate"), py::arg("up"),
+  m.def("gated_mlp_backward", &gated_mlp_backward, py::arg("dtype"), py::arg("dy"), py::arg("gate"), py::arg("up"),
         py::arg("dgate"), py::arg("dup"), py::arg("n"), py::arg("act"), py::call_guard<py::gil_scoped_release>());
 }
 
-SCKPT_REGISTER(register_swiglu);
+SCKPT_REGISTER(register_gated_mlp);
 
 }  // namespace
 }  // namespace sckpt

@@ -1,13 +1,13 @@
 """Gated-MLP kernels: the product a = act(gate) * up (forward, and backward's rebuild for down's
 weight gradient) and the fused backward dgate = g * up * act'(gate), dup = g * act(gate), where
 dgate may be g's own buffer (written in place). act is SiLU (SwiGLU, 0) or tanh-GELU (GeGLU, 1),
-the latter shared with the GELU-MLP (triton_kernels/gelu.py).
+the latter shared with the GELU-MLP (triton_kernels/gelu_mlp.py).
 """
 
 import triton
 import triton.language as tl
 
-from .gelu import gelu_grad, gelu_value
+from .gelu_mlp import gelu_grad, gelu_value
 from .rounding import to_compute, to_storage
 
 # exp(-x) overflows float32 below x = -88.7228, where eager's sigmoid (and so SiLU and its

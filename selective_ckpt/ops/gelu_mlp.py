@@ -7,7 +7,7 @@ which measured up to 5x eager's own error against float64 on small inner sizes.
 
 Backward keeps x and the fc1 output h = x @ w1^T + b1 (the GELU input) and the dropout seed. The
 GELU output is recomputed from h for fc2's weight gradient and the dropout mask is regenerated
-from the seed, so neither is stored. `mlp_forward` and `mlp_backward` carry the computation so
+from the seed, so neither is stored. `gelu_mlp_forward` and `gelu_mlp_backward` carry the computation so
 other autograd code (selective_ckpt/fused.py, which saves the norm input instead of x) reuses them.
 """
 
@@ -21,7 +21,7 @@ from ..validation import check_choice, check_linear, check_operands
 from .dropout import dropout_op
 from .eager import fast_eager
 
-__all__ = ["gelu_mlp", "mlp_forward", "mlp_backward", "check_mlp_args"]
+__all__ = ["gelu_mlp", "gelu_mlp_forward", "gelu_mlp_backward", "check_gelu_mlp_args"]
 
 GELU_APPROXIMATIONS = {"none": 0, "tanh": 1}
 
@@ -36,7 +36,7 @@ def _gelu(h, approximate):
     h = h.contiguous()
     a = torch.empty_like(h)
     if h.numel():
-        backend.call("gelu", "forward", h, a, h.numel(), code)
+        backend.call("gelu_mlp", "forward", h, a, h.numel(), code)
     return a
 
 
@@ -74,7 +74,7 @@ def gelu_backward_op(grad: torch.Tensor, h: torch.Tensor, approximate: str) -> N
         return
     h = h.contiguous()
     work = grad if grad.is_contiguous() else grad.contiguous()
-    backend.call("gelu", "backward_", work, h, h.numel(), code)
+    backend.call("gelu_mlp", "backward_", work, h, h.numel(), code)
     if work is not grad:
         grad.copy_(work)
 
@@ -88,7 +88,7 @@ for _op in (gelu_op, gelu_rebuild_op, gelu_backward_op):
     fast_eager(_op)
 
 
-def check_mlp_args(x, w1, b1, w2, b2):
+def check_gelu_mlp_args(x, w1, b1, w2, b2):
     """Validates the operands of gelu_mlp (nn.Linear layout); returns (in, hidden, out)."""
     check_operands(x, [(n, t) for n, t in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)) if t is not None])
     if x.dim() < 1 or x.shape[-1] == 0:
@@ -98,16 +98,16 @@ def check_mlp_args(x, w1, b1, w2, b2):
     return x.shape[-1], hidden, out
 
 
-def mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation):
+def gelu_mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation):
     """Forward of the GELU-MLP without autograd; returns (y, h, a_or_None).
 
     x [..., in]; w1 [hidden, in]; b1 [hidden] or None; w2 [out, hidden]; b2 [out] or None.
     dropout_p: float in [0, 1); approximate: "none" | "tanh"; seed: the seed tensor (rng.seed_arg)
-    on x's device, ignored when dropout_p == 0. Operands are assumed valid (see check_mlp_args).
+    on x's device, ignored when dropout_p == 0. Operands are assumed valid (see check_gelu_mlp_args).
 
     Returns y [..., out], h = x @ w1^T + b1 [..., hidden] (the GELU input, to be saved), and the
     GELU output a [..., hidden] only when store_activation is True (else None: a is freed here
-    and mlp_backward recomputes it from h with the same kernel, so both modes agree bit for bit).
+    and gelu_mlp_backward recomputes it from h with the same kernel, so both modes agree bit for bit).
     Dropout follows the contract's elementwise stream over y viewed as [rows, out].
     """
     lead = x.shape[:-1]
@@ -121,12 +121,12 @@ def mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activatio
     return y.reshape(*lead, out), h.reshape(*lead, hidden), kept
 
 
-def mlp_backward(dy, x, h, a_or_None, w1, b1, w2, b2, dropout_p, approximate, seed, needs_input_grad):
-    """Backward of the GELU-MLP from what mlp_forward left; returns (dx, dw1, db1, dw2, db2).
+def gelu_mlp_backward(dy, x, h, a_or_None, w1, b1, w2, b2, dropout_p, approximate, seed, needs_input_grad):
+    """Backward of the GELU-MLP from what gelu_mlp_forward left; returns (dx, dw1, db1, dw2, db2).
 
-    dy [..., out] (any strides, stride 0 included); x, h as given to / returned by mlp_forward;
+    dy [..., out] (any strides, stride 0 included); x, h as given to / returned by gelu_mlp_forward;
     a_or_None the stored GELU output or None to recompute it; the other arguments as in
-    mlp_forward. needs_input_grad: five bools for (x, w1, b1, w2, b2); a gradient not needed (or
+    gelu_mlp_forward. needs_input_grad: five bools for (x, w1, b1, w2, b2); a gradient not needed (or
     of a None bias) is returned as None and not computed.
 
     Order keeps peak memory at or below eager's: the dropout mask is regenerated into dz, a is
@@ -164,11 +164,11 @@ def mlp_backward(dy, x, h, a_or_None, w1, b1, w2, b2, dropout_p, approximate, se
 
 
 class _GeluMLP(torch.autograd.Function):
-    """Saves x, h (and a in store mode), the weights and the seed; see mlp_forward/mlp_backward."""
+    """Saves x, h (and a in store mode), the weights and the seed; see gelu_mlp_forward/gelu_mlp_backward."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation):
-        y, h, a = mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation)
+        y, h, a = gelu_mlp_forward(x, w1, b1, w2, b2, dropout_p, approximate, seed, store_activation)
         pipeline.tag(h, "mlp")
         if a is not None:
             pipeline.tag(a, "norm_act")
@@ -180,7 +180,7 @@ class _GeluMLP(torch.autograd.Function):
     @first_order_only("selective_ckpt.gelu_mlp")
     def backward(ctx, dy):
         x, h, a, w1, b1, w2, b2, seed = ctx.saved_tensors
-        grads = mlp_backward(dy, x, h, a, w1, b1, w2, b2, ctx.dropout_p, ctx.approximate, seed,
+        grads = gelu_mlp_backward(dy, x, h, a, w1, b1, w2, b2, ctx.dropout_p, ctx.approximate, seed,
                              ctx.needs_input_grad[:5])
         return (*grads, None, None, None, None)
 
@@ -195,7 +195,7 @@ def gelu_mlp(x, w1, b1, w2, b2, dropout_p=0.0, approximate="none", seed=None, *,
     output h and the seed. store_activation=True (for comparisons) also saves the GELU output
     instead of recomputing it; outputs and gradients are bit-identical either way.
     """
-    check_mlp_args(x, w1, b1, w2, b2)
+    check_gelu_mlp_args(x, w1, b1, w2, b2)
     gelu_approximation_code(approximate)
     rng.threshold(dropout_p, "dropout_p")
     if not isinstance(store_activation, bool):
