@@ -9,9 +9,9 @@ from torch import nn
 
 from ..keeping.policy import CHECKPOINTED, resolve
 from ..registry import recomputable_layers, state_of
+from ..validation import GATED_ACTIVATIONS, check_positive_int
 from ..validation import RECOMPUTE_MODES as MODES
-from ..validation import check_positive_int
-from .estimate import check_shape, estimate, recompute_flops
+from .estimate import check_shape, estimate, layer_parts, recompute_flops
 from .units import as_dtype, format_bytes
 
 
@@ -41,11 +41,17 @@ class LayerShape:
     moe: object = None  # memory.MoE of a sparse mixture-of-experts MLP, or None
     mixer: object = None  # memory.Mixer: a token mixer kept as transformers' own instead of attention, or None
     attn_gate: bool = False  # attention's output gated by sigmoid of a second half of q_proj (Qwen3-Next)
+    parts: tuple = ()  # the layer's other parts (memory/parts.py), each entering what it keeps (keep(kept, sizes))
 
     def kept_kwargs(self):
         return {"residual": self.residual, "norms": self.norms, "qk_norm": self.qk_norm, "norm_stats": self.norm_stats,
                 "scalar_multipliers": self.scalar_multipliers, "post_norms": self.post_norms,
-                "moe": self.moe, "mixer": self.mixer, "attn_gate": self.attn_gate}
+                "moe": self.moe, "mixer": self.mixer, "attn_gate": self.attn_gate, "parts": self.parts}
+
+    def layer_parts(self):
+        """The layer's parts (memory/parts.py) whose kept bytes `estimate` sums: those of its forms, then `parts`."""
+        kw = {k: v for k, v in self.kept_kwargs().items() if k != "norm_stats"}
+        return layer_parts(gated=self.activation in GATED_ACTIVATIONS, **kw)
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,
