@@ -1,8 +1,9 @@
 """The one driver that converts a Hugging Face model in place from its model spec (models/spec.py).
 
-`plan(root, spec)` checks every block against the spec and returns (decoder layers, [(module, new forward),
-...]) or raises ConversionError; `apply` then registers the attention function, points the config at it,
-patches the forwards and wraps each decoder layer in its pipeline. A failed check changes nothing.
+`plan(root, spec)` checks every child of every decoder layer by the part of its role (models/layer_parts.py:
+norm, attention, MLP or MoE block, kept mixer, dropout) and returns (decoder layers, [(module, new forward), ...])
+from those parts' forwards, or raises ConversionError; `apply` then registers the attention function, points the
+config at it, patches the forwards and wraps each decoder layer in its pipeline. A failed check changes nothing.
 """
 
 import functools
@@ -12,19 +13,11 @@ from torch import nn
 
 from ..memory.estimate import KEPT_MIXER
 from . import attention, hub_kernels, loss_head
-from .checks import check_activation, check_children, check_norm, check_present, class_name, is_class, modules_of
+from .checks import check_children, class_name, is_class, modules_of
 from .converted_layer import announce_modes, convert_decoder_layer
 from .errors import ConversionError
+from .layer_parts import AttentionPart, DropoutPart, MLPPart, NormPart, part_of
 from .layer_shape import config_shape
-from .patches import (
-    dropout_forward,
-    fc_mlp_forward_factory,
-    gate_up_mlp_forward,
-    layer_norm_forward,
-    own_forward_norm,
-    packed_gate_up_mlp_forward,
-    rms_norm_forward,
-)
 from .patching import patch_forward
 from .spec import ModelSpec, NormSpec
 
@@ -96,11 +89,7 @@ def plan(root, spec, model_type):
     layers = modules_of(root, spec.layer)
     if not layers:
         raise ConversionError(f"{name} holds no {spec.layer}")
-    expected = {"norm": spec.norm.cls, "attention": spec.attention, "mlp": spec.mlp.cls, "dropout": nn.Dropout}
-    attention_children = spec.attention_all
-    attention_required = [c for c in attention_children if c not in spec.attention_optional]
     mixers = ("attention", "mixer") if spec.mixer is not None else ()
-    expected["mixer"] = spec.mixer.cls if spec.mixer is not None else None
     for lname, layer in layers:
         check_children(layer, lname, [c for c, _ in spec.children], model_type)
         held = [c for c, role in spec.children if role in mixers and c in layer._modules]
@@ -110,78 +99,42 @@ def plan(root, spec, model_type):
                                   f"of its token mixers {names}; a converted layer holds "
                                   f"{'both' if spec.mixer.beside_attention else 'exactly one'}")
         for child, role in spec.children:
-            if role in mixers and child not in held:
-                continue
-            if child in spec.optional and child not in layer._modules:
-                continue
-            if role == "own":  # the spec's check verifies it
+            if (role in mixers and child not in held) or (child in spec.optional and child not in layer._modules):
                 continue
             module = getattr(layer, child)
-            moe = role == "mlp" and spec.moe is not None and is_class(module, spec.moe.block)
-            if not is_class(module, expected[role]) and not moe:
+            part = part_of(spec, role, module)
+            if part is None:  # a child left as transformers' own, which the spec's check verifies
+                continue
+            if not is_class(module, part.cls):
                 raise ConversionError(f"{lname}.{child} (model type {model_type!r}) is a {type(module).__name__}, not "
-                                      f"{class_name(expected[role])}; it cannot be converted")
-            if role == "norm":
-                check_norm(module, f"{lname}.{child}", spec.norm.kind)
-            elif moe:
-                spec.moe.check_block(module, f"{lname}.{child}", model_type, spec.mlp.cls)
-            elif role == "attention":
-                check_children(module, f"{lname}.{child}", attention_children, model_type)
-                check_present(module, f"{lname}.{child}", attention_required, model_type)
-            elif role == "dropout":
-                if not spec.dropout:
-                    raise ValueError(f"model spec {spec.model_types}: a dropout child needs dropout=True")
-            elif role == "mlp":
-                check_children(module, f"{lname}.{child}", spec.mlp.children, model_type)
-                check_activation(module, f"{lname}.{child}", model_type, spec.mlp.activation)
-    qk_norms = set()
-    if spec.qk_norm:
-        attn = spec.child("attention")
-        # a family whose q/k norms are optional by config (GLM-4.5's use_qk_norm, ModelSpec.attention_optional)
-        qk_norms = {id(m) for _, layer in layers for n in spec.qk_norm_children
-                    if (m := getattr(getattr(layer, attn, None), n, None)) is not None}
-    patches = [(m, _norm_forward(spec.norm, "qkv" if id(m) in qk_norms else "residual"))
-               for _, m in modules_of(root, spec.norm.cls)]
-    if spec.dropout:
+                                      f"{class_name(part.cls)}; it cannot be converted")
+            part.check(module, f"{lname}.{child}", model_type)
+    norm, attn, mlp = NormPart(spec), AttentionPart(spec), MLPPart(spec)
+    attn_child = spec.child("attention")
+    attentions = [(f"{lname}.{attn_child}", layer._modules[attn_child]) for lname, layer in layers
+                  if layer._modules.get(attn_child) is not None]
+    # a norm is patched by the class of what it reads: q/k norms read projections' outputs ("qkv")
+    qk_norms = {id(m) for _, a in attentions if attn.q_norm(a) is not None
+                for n in spec.qk_norm_children if (m := getattr(a, n, None)) is not None}
+    patches = [(m, norm.forward(m, "qkv" if id(m) in qk_norms else "residual")) for _, m in modules_of(root, norm.cls)]
+    if spec.dropout:  # every nn.Dropout of the model, the embeddings' and attention's included
+        dropout = DropoutPart(spec)
         dropouts = [m for m in root.modules() if type(m) is nn.Dropout]
-        if any(d.inplace for d in dropouts):
-            raise ConversionError(f"{name}: in-place nn.Dropout cannot be converted")
-        patches += [(m, dropout_forward) for m in dropouts]
-    patches += [(m, spec.mlp.forward or _mlp_forward(spec.mlp)) for _, m in modules_of(root, spec.mlp.cls)]
+        for m in dropouts:
+            dropout.check(m, name, model_type)
+        patches += [(m, dropout.forward(m)) for m in dropouts]
+    patches += [(m, mlp.forward(m)) for _, m in modules_of(root, mlp.cls)]
     own = spec.patches(root) if spec.patches is not None else []
-    if spec.qk_norm in (True, "projection"):  # norms before RoPE: RoPE's outputs rebuilt too (attention.py)
-        attn, mine = spec.child("attention"), {id(m) for m, _ in own}
-        for lname, layer in layers:
-            module = getattr(layer, attn, None)
-            if id(getattr(module, spec.qk_norm_children[0], None)) in qk_norms and id(module) not in mine:
-                attention.check_rope_rebuild(module, f"{lname}.{attn}")
-                patches.append((module, attention.qk_normed_forward))
+    mine = {id(m) for m, _ in own}
+    for aname, module in attentions:
+        forward = attn.forward(module) if id(module) not in mine else None
+        if forward is not None:
+            attention.check_rope_rebuild(module, aname)
+            patches.append((module, forward))
     patches += own
     if spec.moe is not None:
         patches += spec.moe.patches(root)
     return [m for _, m in layers], patches
-
-
-def _norm_forward(norm, kept="residual"):
-    """The patched forward of a norm whose input is of class `kept` (keeping.policy) when nothing named it."""
-    if norm.rounding == "float32_scale":
-        forward = own_forward_norm
-    elif norm.kind == "layernorm":
-        forward = layer_norm_forward
-    elif norm.offset == 0:
-        forward = rms_norm_forward
-    else:
-        forward = functools.partial(rms_norm_forward, offset=float(norm.offset))
-    return forward if kept == "residual" else functools.partial(forward, kept=kept)
-
-
-def _mlp_forward(mlp):
-    if mlp.layout == "gate_up":
-        return gate_up_mlp_forward
-    if mlp.layout == "packed_gate_up":
-        return packed_gate_up_mlp_forward
-    fc_in, act, fc_out, *dropout = mlp.children
-    return fc_mlp_forward_factory(fc_in, act, fc_out, dropout[0] if dropout else None)
 
 
 def apply(root, layers, patches, mode, spec):

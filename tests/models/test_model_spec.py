@@ -107,3 +107,39 @@ def test_a_moe_block_is_read_without_a_stand_in_layer():
     assert (sparse["moe"].shared_dim, sparse["moe"].shared_gate, sparse["ffn_dim"]) == (56, True, 40)
     assert sparse["activation"] == dense["activation"] == "swiglu"
     assert "moe" not in dense and dense["ffn_dim"] == 88
+
+
+def test_every_role_has_a_part_with_one_protocol():
+    """Norms, attention, MLP, MoE block, kept mixer and dropouts: each part checks a module, gives its patched
+    forward (or None: transformers' own) and the LayerShape fields of what it keeps."""
+    import functools
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from selective_ckpt.models.layer_parts import AttentionPart, MLPPart, MoEPart, NormPart, part_of
+    from selective_ckpt.models.patches import rms_norm_forward
+
+    spec = model_specs()["qwen3_moe"]
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=88, moe_intermediate_size=40,
+                            num_experts=5, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, mlp_only_layers=[1])
+    sparse, dense = Qwen3MoeForCausalLM(config).model.layers
+    parts = {(child, type(part_of(spec, role, getattr(layer, child)))) for layer in (sparse, dense)
+             for child, role in spec.children}
+    assert parts == {("input_layernorm", NormPart), ("post_attention_layernorm", NormPart),
+                     ("self_attn", AttentionPart), ("mlp", MoEPart), ("mlp", MLPPart)}
+    for layer in (sparse, dense):
+        for child, role in spec.children:
+            part = part_of(spec, role, getattr(layer, child))
+            part.check(getattr(layer, child), child, "qwen3_moe")
+    norm, attn = NormPart(spec), AttentionPart(spec)
+    assert norm.forward(sparse.input_layernorm) is rms_norm_forward
+    q_norm = norm.forward(sparse.self_attn.q_norm, "qkv")
+    assert isinstance(q_norm, functools.partial) and q_norm.keywords == {"kept": "qkv"}
+    assert attn.forward(sparse.self_attn) is not None  # q/k norms before RoPE: RoPE's outputs rebuilt
+    assert attn.shape(sparse.self_attn, config) == {"sliding_window": None, "head_dim": 16, "qk_norm": True}
+    assert MoEPart(spec).forward(sparse.mlp) is None  # MoESpec.patches patches the block and its experts
+    assert MoEPart(spec).shape(sparse.mlp, config)["moe"].expert_dim == 40
+    assert MLPPart(spec).shape(dense.mlp, config) == {"activation": "swiglu"}
+    assert norm.shape(sparse.input_layernorm, config) == {"norm": "rmsnorm"}
+    assert part_of(spec, "own", sparse.mlp) is None
