@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a lent machine (one H200; budget: 10 minutes a command).
 #
-#   bash bench/gpu.sh            # install check, then the open issues' steps: Llama-3.1-8B's step under each
-#                                # layer policy (keep / offload / rebuild) at 16K-32K with the host link's rate,
-#                                # attention-kept against full recompute at 64K, and the planner's plan for an
-#                                # 80 GB card against transformers' checkpointing at 16K-64K, predicted vs measured
-#   bash bench/gpu.sh --earlier  # the earlier steps instead: CUDA tests (parallel), Llama-3.1-8B's whole step
+#   bash bench/gpu.sh            # install check, then the open issues' steps (GPU speed): a small model's step
+#                                # (Qwen2.5-0.5B's published shape, 2K tokens, full fine-tune under bf16 autocast)
+#                                # and Llama-3.1-8B's LoRA step at 8K, converted against transformers' own; the
+#                                # attention op under each kernel it dispatches to (rows name the kernel); the
+#                                # Llama layer against the Llama SDPA layer at 2K-4K
+#   bash bench/gpu.sh --long-context  # Llama-3.1-8B's step under each layer policy (keep / offload / rebuild) at
+#                                # 16K-32K with the host link's rate, attention-kept against full recompute at 64K,
+#                                # and the planner's plan for an 80 GB card against transformers' checkpointing at
+#                                # 16K-64K, predicted vs measured
+#   bash bench/gpu.sh --earlier  # the earlier steps: CUDA tests (parallel), Llama-3.1-8B's whole step
 #                                # against the fit model, the main job at the 7B shape, per-kernel attention
-#                                # sweep vs SDPA (FLASH and cuDNN pinned), 7B layer with dropout, and the attention
-#                                # op under each kernel it dispatches to, per kind of call (rows name the kernel)
+#                                # sweep vs SDPA (FLASH and cuDNN pinned), 7B layer with dropout
 #   bash bench/gpu.sh --dry-run  # CPU: print every command, check that the entry points parse; runs nothing heavy
+#                                # (DRY_CHECKS=0: print the commands only)
 #
 # Writes under $OUT when set (else bench/out/): summary.txt, steps.log (install + tests),
 # attention_gpu.log, attention_dispatch.log, attention/{attention_gpu.csv, attention_dispatch.csv, layer_7b.csv},
 # fit_check.{log,json}, main.log and
-# main/{results.csv, PNGs}, offload.{log,json}, long_context.{log,json}, plan.{log,json}. A selective_ckpt/_C built for the
+# main/{results.csv, PNGs}, small_model.{log,json}, lora_step.{log,json}, layers.log, offload.{log,json},
+# long_context.{log,json}, plan.{log,json}. A selective_ckpt/_C built for the
 # machine's Python beforehand is used as it is.
 # The short table is printed last.
 # Environment: PYTHON (default python3), STEP_TIMEOUT_SCALE (multiplies each step's time limit).
@@ -23,13 +29,14 @@
 set -uo pipefail
 
 DRY=0
-EARLIER=0
+GROUP=speed
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
-    --earlier) EARLIER=1 ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "gpu.sh: unknown argument '$arg' (use --dry-run, --earlier or --help)" >&2; exit 2 ;;
+    --earlier) GROUP=earlier ;;
+    --long-context) GROUP=long-context ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu.sh: unknown argument '$arg' (use --dry-run, --long-context, --earlier or --help)" >&2; exit 2 ;;
   esac
 done
 
@@ -138,6 +145,8 @@ export -f environment install_package attention_sweep attention_dispatch_sweep
 
 if [ "$DRY" = 1 ]; then
   echo "[dry-run] python: $PY; output folder: $DEST"
+fi
+if [ "$DRY" = 1 ] && [ "${DRY_CHECKS:-1}" = 1 ]; then
   for f in setup.py selective_ckpt/bench/attention_gpu.py; do
     [ -f "$f" ] || { echo "[dry-run] missing $f" >&2; FAILED=1; }
   done
@@ -163,7 +172,28 @@ step environment 20 "$DEST/steps.log" environment
 step install 90 "$DEST/steps.log" install_package
 
 OFFLOAD_ARGS=(Llama-3.1-8B --device cuda --form lora --rank 16 --autocast bfloat16 --timed 1)
-if [ "$EARLIER" = 0 ]; then
+if [ "$GROUP" = speed ]; then
+  # Limits sum to 580 s with environment and install. The GPU step at the speed of the fastest attention: targets
+  # small model <= 1.05x transformers', the 8B LoRA step and the Llama layer <= 1.03x.
+  step small-model 90 "$DEST/small_model.log" "$PY" -m selective_ckpt.bench.offload bench/configs/qwen2.5-0.5b.json \
+    --device cuda --seq-len 2048 --batch 4 --form full --autocast bfloat16 --timed 10 \
+    --policies "selective;transformers" --json "$DEST/small_model.json"
+  step lora-step 170 "$DEST/lora_step.log" "$PY" -m selective_ckpt.bench.offload Llama-3.1-8B --device cuda \
+    --form lora --rank 16 --autocast bfloat16 --seq-len 8192 --timed 3 --policies "selective;transformers" \
+    --json "$DEST/lora_step.json"
+  step attention-dispatch 90 "$DEST/attention_dispatch.log" attention_dispatch_sweep
+  step layers 120 "$DEST/layers.log" "$PY" -m selective_ckpt.bench --device cuda --no-progress --seq 2048,4096 \
+    --rows llama-sdpa,llama-selective,sdpa,selective --out "$DEST/main"
+  [ "$DRY" = 1 ] && exit "$FAILED"
+  echo
+  echo "== steps (logs in $DEST)"
+  cat "$SUMMARY"
+  grep -hE '^\|' "$DEST/small_model.log" "$DEST/lora_step.log" 2>/dev/null
+  sed -n '/^== attention dispatch/,$p' "$DEST/attention_dispatch.log" 2>/dev/null
+  grep -E '^seq [0-9]+:' "$DEST/layers.log" 2>/dev/null || echo "(no layer figures)"
+  exit "$FAILED"
+fi
+if [ "$GROUP" = long-context ]; then
   # Limits sum to 570 s with environment and install. Each row builds the 8B model and runs 3 steps (build ~8 s, a
   # 32K step ~3-6 s on an H200).
   # Long context, 1 of 3: what each policy holds on the GPU and in host memory, and what offloading costs in time.

@@ -127,7 +127,7 @@ Isa best_isa() {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr_t cu, int64_t ndocs, bool causal,
+Problem make_problem(const std::array<int64_t, 7>& sizes, uintptr_t pad, uintptr_t cu, int64_t ndocs, bool causal,
                      int64_t window, double scale, double softcap, uintptr_t seed, int64_t t16, double keep_scale,
                      int64_t q_offset) {
   Problem p{};
@@ -137,8 +137,9 @@ Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr
   p.Sq = sizes[3];
   p.Sk = sizes[4];
   p.D = sizes[5];
-  if (p.B < 0 || p.H < 1 || p.Hkv < 1 || p.H % p.Hkv != 0 || p.Sq < 0 || p.Sk < 0 || p.D < 1)
-    throw std::invalid_argument("attention: bad sizes (need H % Hkv == 0, D >= 1)");
+  p.Dv = sizes[6];
+  if (p.B < 0 || p.H < 1 || p.Hkv < 1 || p.H % p.Hkv != 0 || p.Sq < 0 || p.Sk < 0 || p.D < 1 || p.Dv < 1)
+    throw std::invalid_argument("attention: bad sizes (need H % Hkv == 0, D >= 1, Dv >= 1)");
   if (t16 < 0 || t16 > 65535) throw std::invalid_argument("attention: t16 must be in [0, 65535]");
   if (q_offset < 0 || (q_offset > 0 && q_offset + p.Sq > p.Sk))
     throw std::invalid_argument("attention: q_offset must be >= 0 with q_offset + Sq <= Sk");
@@ -148,6 +149,7 @@ Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr
                                 "offset) and at least one document");
   p.G = p.H / p.Hkv;
   p.Dp = ceil_div(p.D, 16) * 16;
+  p.Dvp = ceil_div(p.Dv, 16) * 16;
   p.BM = g_block_q;
   p.BN = g_block_k;
   p.pad = as_ptr<const uint8_t>(pad);
@@ -167,8 +169,9 @@ Problem make_problem(const std::array<int64_t, 6>& sizes, uintptr_t pad, uintptr
   return p;
 }
 
-// o, lse <- attention(q, k, v). sizes = (B, H, Hkv, Sq, Sk, D); strides of (batch, head, row).
-void attention_forward(int dtype, std::array<int64_t, 6> sizes, uintptr_t q, Strides qs, uintptr_t k, Strides ks,
+// o, lse <- attention(q, k, v). sizes = (B, H, Hkv, Sq, Sk, D, Dv): q, k of head dim D, v and o of Dv;
+// strides of (batch, head, row).
+void attention_forward(int dtype, std::array<int64_t, 7> sizes, uintptr_t q, Strides qs, uintptr_t k, Strides ks,
                        uintptr_t v, Strides vs, uintptr_t o, Strides os, uintptr_t lse, uintptr_t pad, uintptr_t cu,
                        int64_t ndocs, bool causal, int64_t window, double scale, double softcap, uintptr_t seed,
                        int64_t t16, double keep_scale, int64_t q_offset, uintptr_t sinks) {
@@ -204,7 +207,7 @@ void attention_forward(int dtype, std::array<int64_t, 6> sizes, uintptr_t q, Str
 }
 
 // dq, dk, dv <- gradients of attention given do. do, dq, dk, dv are contiguous.
-void attention_backward(int dtype, std::array<int64_t, 6> sizes, uintptr_t dout, uintptr_t q, Strides qs, uintptr_t k,
+void attention_backward(int dtype, std::array<int64_t, 7> sizes, uintptr_t dout, uintptr_t q, Strides qs, uintptr_t k,
                         Strides ks, uintptr_t v, Strides vs, uintptr_t o, Strides os, uintptr_t lse, uintptr_t pad,
                         uintptr_t cu, int64_t ndocs, bool causal, int64_t window, double scale, double softcap,
                         uintptr_t seed, int64_t t16, double keep_scale, uintptr_t dq, uintptr_t dk, uintptr_t dv,

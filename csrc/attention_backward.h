@@ -17,11 +17,11 @@ void delta_rows(const Problem& p, int64_t bh, float* delta, double* sink) {
   using Acc = typename Elem<T>::Acc;
   const int64_t b = bh / p.H, h = bh % p.H;
   const T* ob = static_cast<const T*>(p.o_in) + b * p.os[0] + h * p.os[1];
-  const T* db = static_cast<const T*>(p.dout) + bh * p.Sq * p.D;
+  const T* db = static_cast<const T*>(p.dout) + bh * p.Sq * p.Dv;
   for (int64_t i = 0; i < p.Sq; ++i) {
-    const T *orow = ob + i * p.os[2], *drow = db + i * p.D;
+    const T *orow = ob + i * p.os[2], *drow = db + i * p.Dv;
     Acc s = 0;
-    for (int64_t d = 0; d < p.D; ++d) s = madd(Acc(Elem<T>::load(orow + d)), Acc(Elem<T>::load(drow + d)), s);
+    for (int64_t d = 0; d < p.Dv; ++d) s = madd(Acc(Elem<T>::load(orow + d)), Acc(Elem<T>::load(drow + d)), s);
     delta[bh * p.Sq + i] = float(s);
   }
   if (p.sinks == nullptr) return;
@@ -80,7 +80,7 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
              typename Elem<T>::Acc* dK, typename Elem<T>::Acc* dV, int64_t jlo, int64_t jhi,
              typename Elem<T>::Acc* part, int64_t chunk) {
   using Acc = typename Elem<T>::Acc;
-  const int64_t D = p.D, Dp = p.Dp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
+  const int64_t D = p.D, Dp = p.Dp, Dv = p.Dv, Dvp = p.Dvp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
   const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
   const Acc scale = Acc(p.scale);
   const bool capped = p.softcap > 0;
@@ -93,7 +93,7 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
   uint8_t* padv = w.padv.data();
   // the bf16 dot path's operands (attention_dot.h)
-  const int64_t Dw = Dp / 2;
+  const int64_t Dw = Dp / 2, Dvw = Dvp / 2;
   uint32_t *Qw = w.words[0].data(), *dOw = w.words[1].data(), *Kw = w.words[2].data(), *Vw = w.words[3].data();
   uint32_t *Kpw = w.words[4].data(), *dSw = w.words[5].data();
   // the single pass's operands: Q and dO as rows (float path) or paired along queries (dot path)
@@ -111,20 +111,20 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     if (lo[c] < hi[c]) klo = std::min(klo, lo[c]), khi = std::max(khi, hi[c]);
   if (any_row) {
     const T* qrows = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + i0 * p.qs[2];
-    const T* dorows = static_cast<const T*>(p.dout) + (bh * p.Sq + i0) * D;
+    const T* dorows = static_cast<const T*>(p.dout) + (bh * p.Sq + i0) * Dv;
     if constexpr (kDot<T>) {
       dot_cols(qrows, p.qs[2], n, N, D, Dw, Qw);
-      dot_cols(dorows, D, n, N, D, Dw, dOw);
+      dot_cols(dorows, Dv, n, N, Dv, Dvw, dOw);
       if (fused) {
         dot_row_pairs(qrows, p.qs[2], n, D, Dp, Qpw);
-        dot_row_pairs(dorows, D, n, D, Dp, dOpw);
+        dot_row_pairs(dorows, Dv, n, Dv, Dvp, dOpw);
       }
     } else {
       load_rows_t(qrows, p.qs[2], n, N, D, Qt);
-      load_rows_t(dorows, D, n, N, D, dOt);
+      load_rows_t(dorows, Dv, n, N, Dv, dOt);
       if (fused) {
         load_rows(qrows, p.qs[2], n, n, D, Dp, Qn);
-        load_rows(dorows, D, n, n, D, Dp, dOn);
+        load_rows(dorows, Dv, n, n, Dv, Dvp, dOn);
       }
     }
   }
@@ -136,15 +136,15 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     if (!tile_attended(lo, hi, n, j0, j0 + nk)) continue;
     if constexpr (kDot<T>) {
       dot_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dw, Kw);
-      dot_rows(vb + j0 * p.vs[2], p.vs[2], nk, MK, D, Dw, Vw);
+      dot_rows(vb + j0 * p.vs[2], p.vs[2], nk, MK, Dv, Dvw, Vw);
       dot_row_pairs(kb + j0 * p.ks[2], p.ks[2], nk, D, Dp, Kpw);
       dot_gemm(Kw, Dw, Qw, N, MK, N, Dw, St, N, false);
-      dot_gemm(Vw, Dw, dOw, N, MK, N, Dw, dPt, N, false);
+      dot_gemm(Vw, Dvw, dOw, N, MK, N, Dvw, dPt, N, false);
     } else {
       load_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dp, Kn);
-      load_rows(vb + j0 * p.vs[2], p.vs[2], nk, MK, D, Dp, Vn);
+      load_rows(vb + j0 * p.vs[2], p.vs[2], nk, MK, Dv, Dvp, Vn);
       gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);   // S^T = K Q^T
-      gemm(Vn, Dp, dOt, N, MK, N, D, dPt, N, false);  // dP^T = V dO^T
+      gemm(Vn, Dvp, dOt, N, MK, N, Dv, dPt, N, false);  // dP^T = V dO^T
     }
     if (capped) softcap_tile(St, nk * N, scale, Acc(p.softcap), w.capf.data());
     pad_row(p, b, j0, nk, nk, padv);
@@ -163,10 +163,10 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
       if constexpr (kDot<T>) {
         dot_pack_rows(St, N, MK, n, Nw, Pw);
         dot_pack_rows(dPt, N, MK, n, Nw, dSw2);
-        dot_gemm(Pw, Nw, dOpw, Dp, MK, Dp, (n + 1) / 2, dV + (j0 - jlo) * Dp, Dp, true);
+        dot_gemm(Pw, Nw, dOpw, Dvp, MK, Dvp, (n + 1) / 2, dV + (j0 - jlo) * Dvp, Dvp, true);
         dot_gemm(dSw2, Nw, Qpw, Dp, MK, Dp, (n + 1) / 2, dK + (j0 - jlo) * Dp, Dp, true);
       } else {
-        gemm(St, N, dOn, Dp, MK, Dp, n, dV + (j0 - jlo) * Dp, Dp, true);
+        gemm(St, N, dOn, Dvp, MK, Dvp, n, dV + (j0 - jlo) * Dvp, Dvp, true);
         gemm(dPt, N, Qn, Dp, MK, Dp, n, dK + (j0 - jlo) * Dp, Dp, true);
       }
     }
@@ -193,12 +193,26 @@ void dq_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename El
     for (int64_t d = 0; d < D; ++d) Elem<T>::store(out + r * D + d, dQ[r * Dp + d] * scale);
 }
 
+// Stores rows [j0, j0 + n) of one kv head's dK (scaled; rows Dp apart in Acc) and dV (rows Dvp apart).
+template <class T>
+void store_dkdv(const Problem& p, int64_t b, int64_t kvh, int64_t j0, int64_t n, const typename Elem<T>::Acc* dK,
+                const typename Elem<T>::Acc* dV) {
+  using Acc = typename Elem<T>::Acc;
+  const Acc scale = Acc(p.scale);
+  T* dkb = static_cast<T*>(p.dk) + ((b * p.Hkv + kvh) * p.Sk + j0) * p.D;
+  T* dvb = static_cast<T*>(p.dv) + ((b * p.Hkv + kvh) * p.Sk + j0) * p.Dv;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t d = 0; d < p.D; ++d) Elem<T>::store(dkb + r * p.D + d, dK[r * p.Dp + d] * scale);
+    for (int64_t d = 0; d < p.Dv; ++d) Elem<T>::store(dvb + r * p.Dv + d, dV[r * p.Dvp + d]);
+  }
+}
+
 // dK, dV of one key tile of one kv head, summed over the query heads of its group in order. K^T
 // and V^T are transposed once per task; the query tiles are read as rows.
 template <class T>
 void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename Elem<T>::Acc>& w) {
   using Acc = typename Elem<T>::Acc;
-  const int64_t D = p.D, Dp = p.Dp, BM = p.BM;
+  const int64_t D = p.D, Dp = p.Dp, Dv = p.Dv, Dvp = p.Dvp, BM = p.BM;
   const int64_t j0 = t * p.BN, nk = std::min(p.BN, p.Sk - j0), j1 = j0 + nk;
   const int64_t MK = round_up(nk, kMR), NK = round_up(nk, 16);
   const Acc scale = Acc(p.scale), inf = std::numeric_limits<Acc>::infinity();
@@ -213,7 +227,7 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
   int64_t *lo = w.lo.data(), *hi = w.hi.data();
   uint8_t* padv = w.padv.data();
   // the bf16 dot path's operands (attention_dot.h)
-  const int64_t Dw = Dp / 2;
+  const int64_t Dw = Dp / 2, Dvw = Dvp / 2;
   uint32_t *Kw = w.words[0].data(), *Vw = w.words[1].data(), *Qw = w.words[2].data(), *dOw = w.words[3].data();
   uint32_t *Qpw = w.words[4].data(), *dOpw = w.words[5].data(), *Pw = w.words[6].data(), *dSw = w.words[7].data();
 
@@ -221,21 +235,21 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
   const T* vb = static_cast<const T*>(p.v) + b * p.vs[0] + kvh * p.vs[1] + j0 * p.vs[2];
   if constexpr (kDot<T>) {
     dot_cols(kb, p.ks[2], nk, NK, D, Dw, Kw);
-    dot_cols(vb, p.vs[2], nk, NK, D, Dw, Vw);
+    dot_cols(vb, p.vs[2], nk, NK, Dv, Dvw, Vw);
   } else {
     load_rows_t(kb, p.ks[2], nk, NK, D, Kt);
-    load_rows_t(vb, p.vs[2], nk, NK, D, Vt);
+    load_rows_t(vb, p.vs[2], nk, NK, Dv, Vt);
   }
   pad_row(p, b, j0, nk, NK, padv);
   std::memset(static_cast<void*>(dK), 0, size_t(MK * Dp) * sizeof(Acc));
-  std::memset(static_cast<void*>(dV), 0, size_t(MK * Dp) * sizeof(Acc));
+  std::memset(static_cast<void*>(dV), 0, size_t(MK * Dvp) * sizeof(Acc));
   // Query rows attending a key in [j0, j1): hi(i) > j0 and lo(i) < j1, a contiguous range.
   const int64_t ia = p.first_row([&](int64_t i) { return p.row_hi(i) > j0; });
   const int64_t ib = p.first_row([&](int64_t i) { return p.row_lo(i) >= j1; });
   for (int64_t g = 0; g < p.G; ++g) {
     const int64_t h = kvh * p.G + g, bh = b * p.H + h;
     const T* qb = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1];
-    const T* db = static_cast<const T*>(p.dout) + bh * p.Sq * D;
+    const T* db = static_cast<const T*>(p.dout) + bh * p.Sq * Dv;
     for (int64_t i0 = ia / BM * BM; i0 < ib; i0 += BM) {
       const int64_t n = std::min(BM, p.Sq - i0), M = round_up(n, kMR);
       bool any = false;
@@ -247,16 +261,16 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
       if (!any) continue;
       if constexpr (kDot<T>) {
         dot_rows(qb + i0 * p.qs[2], p.qs[2], n, M, D, Dw, Qw);
-        dot_rows(db + i0 * D, D, n, M, D, Dw, dOw);
+        dot_rows(db + i0 * Dv, Dv, n, M, Dv, Dvw, dOw);
         dot_row_pairs(qb + i0 * p.qs[2], p.qs[2], n, D, Dp, Qpw);
-        dot_row_pairs(db + i0 * D, D, n, D, Dp, dOpw);
+        dot_row_pairs(db + i0 * Dv, Dv, n, Dv, Dvp, dOpw);
         dot_gemm(Qw, Dw, Kw, NK, M, NK, Dw, S, NK, false);
-        dot_gemm(dOw, Dw, Vw, NK, M, NK, Dw, dP, NK, false);
+        dot_gemm(dOw, Dvw, Vw, NK, M, NK, Dvw, dP, NK, false);
       } else {
         load_rows(qb + i0 * p.qs[2], p.qs[2], n, M, D, Dp, Qn);
-        load_rows(db + i0 * D, D, n, M, D, Dp, dOn);
-        gemm(Qn, Dp, Kt, NK, M, NK, D, S, NK, false);    // S = Q K^T
-        gemm(dOn, Dp, Vt, NK, M, NK, D, dP, NK, false);  // dP = dO V^T
+        load_rows(db + i0 * Dv, Dv, n, M, Dv, Dvp, dOn);
+        gemm(Qn, Dp, Kt, NK, M, NK, D, S, NK, false);     // S = Q K^T
+        gemm(dOn, Dvp, Vt, NK, M, NK, Dv, dP, NK, false);  // dP = dO V^T
       }
       if (capped) softcap_tile(S, n * NK, scale, Acc(p.softcap), w.capf.data());
       if (p.t16) keep_tile_bits(p, bh, i0, n, j0, nk, BM, kbits);  // bit c & 7 of kbits[(c >> 3) * BM + r]
@@ -304,21 +318,15 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
       if constexpr (kDot<T>) {  // P~ and dS rounded to bf16 pairs along queries
         dot_pack_pairs(S, NK, n, NK, Pw);
         dot_pack_pairs(dP, NK, n, NK, dSw);
-        dot_gemm<true>(Pw, NK, dOpw, Dp, MK, Dp, (n + 1) / 2, dV, Dp, true);
+        dot_gemm<true>(Pw, NK, dOpw, Dvp, MK, Dvp, (n + 1) / 2, dV, Dvp, true);
         dot_gemm<true>(dSw, NK, Qpw, Dp, MK, Dp, (n + 1) / 2, dK, Dp, true);
       } else {
-        gemm<true>(S, NK, dOn, Dp, MK, Dp, n, dV, Dp, true);  // dV += P~^T dO
+        gemm<true>(S, NK, dOn, Dvp, MK, Dvp, n, dV, Dvp, true);  // dV += P~^T dO
         gemm<true>(dP, NK, Qn, Dp, MK, Dp, n, dK, Dp, true);  // dK += dS^T Q
       }
     }
   }
-  T* dkb = static_cast<T*>(p.dk) + ((b * p.Hkv + kvh) * p.Sk + j0) * D;
-  T* dvb = static_cast<T*>(p.dv) + ((b * p.Hkv + kvh) * p.Sk + j0) * D;
-  for (int64_t r = 0; r < nk; ++r)
-    for (int64_t d = 0; d < D; ++d) {
-      Elem<T>::store(dkb + r * D + d, dK[r * Dp + d] * scale);
-      Elem<T>::store(dvb + r * D + d, dV[r * Dp + d]);
-    }
+  store_dkdv<T>(p, b, kvh, j0, nk, dK, dV);
 }
 
 // The single pass for one kv head and one chunk c of its key tiles (p.chunks of them; 1 unless there
@@ -329,25 +337,18 @@ void dkv_tile(const Problem& p, int64_t b, int64_t kvh, int64_t t, Work<typename
 template <class T>
 void dqkv_group(const Problem& p, int64_t b, int64_t kvh, int64_t c, Work<typename Elem<T>::Acc>& w) {
   using Acc = typename Elem<T>::Acc;
-  const int64_t D = p.D, Dp = p.Dp, nkt = (p.Sk + p.BN - 1) / p.BN;
+  const int64_t Dp = p.Dp, Dvp = p.Dvp, nkt = (p.Sk + p.BN - 1) / p.BN;
   const int64_t jlo = c * nkt / p.chunks * p.BN, jhi = std::min(p.Sk, (c + 1) * nkt / p.chunks * p.BN);
   Acc* dK = w.kv.data();
-  Acc* dV = dK + w.kv.size() / 2;
-  const size_t used = size_t(round_up(jhi - jlo, p.BN) * Dp);
-  std::fill(dK, dK + used, Acc(0));
-  std::fill(dV, dV + used, Acc(0));
+  Acc* dV = dK + nkt * p.BN * Dp;
+  const int64_t used = round_up(jhi - jlo, p.BN);
+  std::fill(dK, dK + used * Dp, Acc(0));
+  std::fill(dV, dV + used * Dvp, Acc(0));
   Acc* part = p.chunks > 1 ? static_cast<Acc*>(p.dq_part) + c * p.B * p.H * p.Sq * Dp : nullptr;
   const int64_t nqt = (p.Sq + p.BM - 1) / p.BM;
   for (int64_t g = 0; g < p.G; ++g)
     for (int64_t t = 0; t < nqt; ++t) dq_tile<T>(p, b, kvh * p.G + g, t, w, dK, dV, jlo, jhi, part, c);
-  const Acc scale = Acc(p.scale);
-  T* dkb = static_cast<T*>(p.dk) + ((b * p.Hkv + kvh) * p.Sk + jlo) * D;
-  T* dvb = static_cast<T*>(p.dv) + ((b * p.Hkv + kvh) * p.Sk + jlo) * D;
-  for (int64_t r = 0; r < jhi - jlo; ++r)
-    for (int64_t d = 0; d < D; ++d) {
-      Elem<T>::store(dkb + r * D + d, dK[r * Dp + d] * scale);
-      Elem<T>::store(dvb + r * D + d, dV[r * Dp + d]);
-    }
+  store_dkdv<T>(p, b, kvh, jlo, jhi - jlo, dK, dV);
 }
 
 // dQ row `row` of [B * H * Sq] = scale * the sum of the key chunks' partial rows, in chunk order.

@@ -7,7 +7,7 @@
 template <class T>
 void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typename Elem<T>::Acc>& w) {
   using Acc = typename Elem<T>::Acc;
-  const int64_t D = p.D, Dp = p.Dp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
+  const int64_t D = p.D, Dp = p.Dp, Dv = p.Dv, Dvp = p.Dvp, BN = p.BN, kvh = h / p.G, bh = b * p.H + h;
   const int64_t i0 = t * p.BM, n = std::min(p.BM, p.Sq - i0), M = round_up(n, kMR), N = round_up(n, 16);
   const Acc scale = Acc(p.scale), neg_inf = -std::numeric_limits<Acc>::infinity();
   const bool capped = p.softcap > 0;
@@ -32,7 +32,7 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
     l[c] = Acc(0);
     seen[c] = 0;
   }
-  std::memset(static_cast<void*>(O), 0, size_t(M * Dp) * sizeof(Acc));
+  std::memset(static_cast<void*>(O), 0, size_t(M * Dvp) * sizeof(Acc));  // O is [M, Dvp]: v's head dim
   const T* kb = static_cast<const T*>(p.k) + b * p.ks[0] + kvh * p.ks[1];
   const T* vb = static_cast<const T*>(p.v) + b * p.vs[0] + kvh * p.vs[1];
   for (int64_t j0 = lo[0] / BN * BN; j0 < hi[n - 1]; j0 += BN) {
@@ -40,11 +40,11 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
     if (!tile_attended(lo, hi, n, j0, j0 + nk)) continue;  // e.g. a tile of another document
     if constexpr (kDot<T>) {
       dot_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dw, Kw);
-      dot_row_pairs(vb + j0 * p.vs[2], p.vs[2], nk, D, Dp, Vw);
+      dot_row_pairs(vb + j0 * p.vs[2], p.vs[2], nk, Dv, Dvp, Vw);
       dot_gemm(Kw, Dw, Qw, N, MK, N, Dw, St, N, false);
     } else {
       load_rows(kb + j0 * p.ks[2], p.ks[2], nk, MK, D, Dp, Kn);
-      load_rows(vb + j0 * p.vs[2], p.vs[2], nk, nk, D, Dp, V);
+      load_rows(vb + j0 * p.vs[2], p.vs[2], nk, nk, Dv, Dvp, V);
       gemm(Kn, Dp, Qt, N, MK, N, D, St, N, false);
     }
     if (capped) softcap_tile(St, nk * N, scale, Acc(p.softcap), static_cast<Acc*>(nullptr));
@@ -96,15 +96,15 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
     for (int64_t c = 0; c < n; ++c) {
       l[c] = l[c] * alpha[c] + lsum[c];
       if (!(alpha[c] == Acc(1))) {  // also for NaN, which must reach O
-        Acc* orow = O + c * Dp;
-        for (int64_t d = 0; d < Dp; ++d) orow[d] *= alpha[c];
+        Acc* orow = O + c * Dvp;
+        for (int64_t d = 0; d < Dvp; ++d) orow[d] *= alpha[c];
       }
     }
     if constexpr (kDot<T>) {  // O += P V, P rounded to bf16 pairs along keys
       dot_pack_pairs(St, N, nk, N, Pw);
-      dot_gemm<true>(Pw, N, Vw, Dp, M, Dp, (nk + 1) / 2, O, Dp, true);
+      dot_gemm<true>(Pw, N, Vw, Dvp, M, Dvp, (nk + 1) / 2, O, Dvp, true);
     } else {
-      gemm<true>(St, N, V, Dp, M, Dp, nk, O, Dp, true);  // O += P V, P read from S^T
+      gemm<true>(St, N, V, Dvp, M, Dvp, nk, O, Dvp, true);  // O += P V, P read from S^T
     }
   }
   T* ob = static_cast<T*>(p.o) + b * p.os[0] + h * p.os[1];
@@ -112,7 +112,7 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
   for (int64_t r = 0; r < n; ++r) {
     T* orow = ob + (i0 + r) * p.os[2];
     if (!seen[r]) {  // nothing to attend: o = 0; lse = +inf makes P = 0 in backward
-      for (int64_t d = 0; d < D; ++d) Elem<T>::store(orow + d, Acc(0));
+      for (int64_t d = 0; d < Dv; ++d) Elem<T>::store(orow + d, Acc(0));
       lse[i0 + r] = std::numeric_limits<float>::infinity();
       continue;
     }
@@ -125,8 +125,8 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t t, Work<typena
       sum = l[r] * f + exp_nan(s - top);
       inv = f / sum;
     }
-    const Acc* acc = O + r * Dp;
-    for (int64_t d = 0; d < D; ++d) Elem<T>::store(orow + d, acc[d] * inv);
+    const Acc* acc = O + r * Dvp;
+    for (int64_t d = 0; d < Dv; ++d) Elem<T>::store(orow + d, acc[d] * inv);
     lse[i0 + r] = float(top + std::log(sum));
   }
 }

@@ -15,6 +15,7 @@ using Strides = std::array<int64_t, 3>;  // element strides of the (batch, head,
 
 struct Problem {
   int64_t B, H, Hkv, Sq, Sk, D, G, Dp;  // G = H / Hkv query heads per kv head; Dp = D rounded to 16
+  int64_t Dv, Dvp;  // the value head dim (of v, o, dO, dV; MLA's differs from q and k's D), Dvp rounded to 16
   int64_t BM, BN;                       // tile sizes
   const void *q, *k, *v, *o_in, *dout;
   void *o, *dq, *dk, *dv;
@@ -86,10 +87,10 @@ struct Work {
   std::vector<uint32_t> keepbits;  // a tile's dropout bits: one word per 8 keys and query
   std::vector<uint32_t> words[10];  // bf16 operand tiles in pairs (attention_dot.h), when p.bf16_dot
   std::vector<Acc> capf;  // under soft-capping: 1 - tanh^2 of a score tile, for the backward
-  std::vector<Acc> kv;  // the single pass's dK and dV of one kv head, [key tiles * BN, Dp] each
+  std::vector<Acc> kv;  // the single pass's dK and dV of one kv head, [key tiles * BN, Dp] then [.., Dvp]
   explicit Work(const Problem& p) {
     const int64_t T = std::max(p.BM, p.BN);
-    const int64_t tile = T * std::max(T, p.Dp);  // a tile of scores or of rows
+    const int64_t tile = T * std::max(T, std::max(p.Dp, p.Dvp));  // a tile of scores or of rows
     for (auto* v : {&a, &b, &c, &d, &e, &f, &g}) v->assign(size_t(tile), Acc(0));
     acc.assign(size_t(3 * tile), Acc(0));  // dK/dV pass: dP^T, dK, dV
     for (auto* v : {&m, &l, &rowv, &rowv2}) v->assign(size_t(T), Acc(0));
@@ -102,7 +103,7 @@ struct Work {
     if (p.bf16_dot)
       for (auto& v : words) v.assign(size_t(tile), 0u);
     if (p.softcap > 0) capf.assign(size_t(tile), Acc(0));
-    if (p.single_pass) kv.assign(size_t(2 * ((p.Sk + p.BN - 1) / p.BN) * p.BN * p.Dp), Acc(0));
+    if (p.single_pass) kv.assign(size_t(((p.Sk + p.BN - 1) / p.BN) * p.BN * (p.Dp + p.Dvp)), Acc(0));
   }
 };
 

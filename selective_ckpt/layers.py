@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import fused, rng, rotary
+from . import norm_fusion, rng, rotary
 from .activations import ACTIVATIONS, GATED_LAYER_ACTIVATIONS
 from .keeping import pipeline, tiling
 from .keeping.attention_kept import attention_kept_checkpoint
@@ -258,8 +258,8 @@ class SelectiveDecoderLayer(nn.Module):
         p_attn = self.attn_dropout if seeds[0] is not None else 0.0
         p = self.dropout if seeds[1] is not None else 0.0
         norm = {"norm": self.norm, "store": store}
-        qkv = fused.norm_linear(x, self.ln1.weight, self._norm_bias(self.ln1), [(self.qkv.weight, self.qkv.bias)],
-                                eps=self.ln1.eps, **norm)
+        qkv = norm_fusion.norm_linear(x, self.ln1.weight, self._norm_bias(self.ln1), [(self.qkv.weight, self.qkv.bias)],
+                                      eps=self.ln1.eps, **norm)
         if self.rope_theta is not None:
             qkv = rotary.rope_qkv(qkv, position_ids, self.num_heads, self.num_kv_heads, self.head_dim,
                                   self.rope_theta)
@@ -274,13 +274,13 @@ class SelectiveDecoderLayer(nn.Module):
         kind = "gated" if self.gated else "plain"
         tiles = self._policy.mlp_tiles  # read again by "full"'s re-run in backward, which runs _block itself
         if tiles == 1:
-            m = fused.norm_mlp(x1, self.ln2.weight, self._norm_bias(self.ln2), params, eps=self.ln2.eps, mlp=kind,
-                               activation=self.kernel_activation, dropout_p=p, seed=seeds[2], **norm)
+            m = norm_fusion.norm_mlp(x1, self.ln2.weight, self._norm_bias(self.ln2), params, eps=self.ln2.eps,
+                                     mlp=kind, activation=self.kernel_activation, dropout_p=p, seed=seeds[2], **norm)
             return x1 + m
 
         def norm_mlp(rows):  # the norm is per token, so tiling x1's rows is exact
-            return fused.norm_mlp(rows, self.ln2.weight, self._norm_bias(self.ln2), params, eps=self.ln2.eps, mlp=kind,
-                                  activation=self.kernel_activation, **norm)
+            return norm_fusion.norm_mlp(rows, self.ln2.weight, self._norm_bias(self.ln2), params, eps=self.ln2.eps,
+                                        mlp=kind, activation=self.kernel_activation, **norm)
 
         m = tiling.run_in_tiles(norm_mlp, x1, tiles)
         if p > 0:  # on the whole output: the mask of the untiled layer (the stream indexes rows of [B*S, h])

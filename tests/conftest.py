@@ -120,6 +120,7 @@ SLOW = (
     "ops/test_attention_sinks.py::test_triton_sinks_against_float64",
     "ops/test_attention_sinks.py::test_opcheck_with_sinks",
     "ops/test_attention_sinks.py::test_triton_sinks_with_the_sm90_tiles",
+    "ops/test_attention_value_dim.py::test_triton_value_head_dim",
     # the benchmarks run as subprocesses, two-process training, whole layers on both backends
     "test_bench.py::test_attention_table_prints_every_grid_row",
     "test_bench.py::test_gpu_script_syntax_and_dry_run",

@@ -184,10 +184,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def attention_launch(tk, dtype, D, causal=False, p=0.0, B=2, H=4, Hkv=None, S=512, Sk=None, window=0, docs=None,
-                     padded=False, packed=False, softcap=0.0, q_offset=0, sinks=False):
+                     padded=False, packed=False, softcap=0.0, q_offset=0, sinks=False, Dv=None):
     """Forward and backward through the Triton entry points with a real launch's tensors (with q_offset,
-    a query tile of S rows at key positions q_offset ... against Sk keys; sinks: fp32 [H] attention sinks)."""
-    Hkv, Sk = Hkv or H, Sk or S
+    a query tile of S rows at key positions q_offset ... against Sk keys; sinks: fp32 [H] attention sinks;
+    Dv: v's head dim where it differs from q and k's)."""
+    Hkv, Sk, Dv = Hkv or H, Sk or S, Dv or D
     if packed:
         qkv = torch.empty(B, S, 3, H, D, dtype=dtype)
         q, k, v = (qkv[:, :, i].permute(0, 2, 1, 3) for i in range(3))
@@ -195,9 +196,9 @@ def attention_launch(tk, dtype, D, causal=False, p=0.0, B=2, H=4, Hkv=None, S=51
         dq, dk, dv = (gbuf[:, :, i].permute(0, 2, 1, 3) for i in range(3))
     else:
         q = torch.empty(B, H, S, D, dtype=dtype)
-        k, v = torch.empty(B, Hkv, Sk, D, dtype=dtype), torch.empty(B, Hkv, Sk, D, dtype=dtype)
+        k, v = torch.empty(B, Hkv, Sk, D, dtype=dtype), torch.empty(B, Hkv, Sk, Dv, dtype=dtype)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    o = torch.empty(B, S, H, D, dtype=dtype).permute(0, 2, 1, 3)
+    o = torch.empty(B, S, H, Dv, dtype=dtype).permute(0, 2, 1, 3)
     lse = torch.empty(B, H, S, dtype=torch.float32)
     pad = torch.ones(B, Sk, dtype=torch.bool) if padded else None
     cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32) if docs else None
@@ -206,7 +207,7 @@ def attention_launch(tk, dtype, D, causal=False, p=0.0, B=2, H=4, Hkv=None, S=51
     ks = 65536 / (65536 - t16)
     sk = torch.empty(H, dtype=torch.float32) if sinks else None
     tk.forward(q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed, t16, ks, q_offset, sk)
-    tk.backward(torch.empty(B, H, S, D, dtype=dtype), q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed,
+    tk.backward(torch.empty(B, H, S, Dv, dtype=dtype), q, k, v, o, lse, pad, cu, causal, window, D**-0.5, softcap, seed,
                 t16, ks, dq, dk, dv, q_offset, sk, None if sk is None else torch.empty_like(sk))
 
 
@@ -247,6 +248,14 @@ def exercise_attention():
             for cap in (0.0, 50.0):
                 with label(case="d256", causal=causal, dropout=p > 0):
                     attention_launch(tk, torch.bfloat16, 256, causal, p, H=8, Hkv=2, softcap=cap)
+    # multi-head latent attention (DeepSeek-V3): q, k of 192 = 128 + 64 rotary, v of 128; causal, with and without
+    # dropout, whole and packed documents, at bf16 and fp32
+    for dtype in (torch.bfloat16, torch.float32):
+        for p in (0.0, 0.1):
+            with label(case="mla", causal=True, dropout=p > 0):
+                attention_launch(tk, dtype, 192, True, p, Dv=128)
+            with label(case="mla_varlen", causal=True, dropout=p > 0):
+                attention_launch(tk, dtype, 192, True, p, B=1, docs=(100, 300, 112), Dv=128)
 
 
 def exercise_dropout():

@@ -223,20 +223,27 @@ def test_gpu_script_syntax_and_dry_run(tmp_path):
     script = ROOT / "bench" / "gpu.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     env = _env() | {"PYTHON": sys.executable, "OUT": str(tmp_path)}
-    proc = subprocess.run(["bash", str(script), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for step in ("install", "offload", "long-context"):  # the open issues' steps, by default
-        assert f"[dry-run] {step}" in proc.stdout
-    assert "selective_ckpt.bench.offload Llama-3.1-8B --device cuda" in proc.stdout
-    assert "sweep parser ok" in proc.stdout and "dry-selfcheck   ok" in proc.stdout
-    proc = subprocess.run(["bash", str(script), "--dry-run", "--earlier"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def dry(*args, checks=False):
+        proc = subprocess.run(["bash", str(script), "--dry-run", *args], cwd=ROOT, capture_output=True, text=True,
+                              env=env | {"DRY_CHECKS": "1" if checks else "0"}, timeout=240)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    out = dry(checks=True)  # the entry points and the CUDA tests' collection checked once
+    for step in ("install", "small-model", "lora-step", "attention-dispatch", "layers"):  # the open issues' steps
+        assert f"[dry-run] {step}" in out
+    assert "bench.offload bench/configs/qwen2.5-0.5b.json --device cuda --seq-len 2048" in out
+    assert "sweep parser ok" in out and "dry-selfcheck   ok" in out
+    out = dry("--long-context")
+    for step in ("install", "offload", "long-context", "plan"):
+        assert f"[dry-run] {step}" in out
+    assert "selective_ckpt.bench.offload Llama-3.1-8B --device cuda" in out and "[dry-run] small-model" not in out
+    out = dry("--earlier")
     for step in ("install", "cuda-tests", "attention", "main-job"):
-        assert f"[dry-run] {step}" in proc.stdout
-    assert "[dry-run] offload" not in proc.stdout
-    assert "-m pytest -m cuda" in proc.stdout and "selective_ckpt.bench --device cuda" in proc.stdout
+        assert f"[dry-run] {step}" in out
+    assert "[dry-run] offload" not in out
+    assert "-m pytest -m cuda" in out and "selective_ckpt.bench --device cuda" in out
     bad = subprocess.run(["bash", str(script), "--bogus"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
 
@@ -265,7 +272,8 @@ def test_load_watch_warns_only_when_other_work_shared_the_cpus():
     assert len(watch.samples) == 4 and watch.samples[-1] >= 0
 
 
-@pytest.mark.parametrize("module", ["attention", "attention_gpu", "mlp", "profile_step", "hf", "offload", "python_tax"])
+@pytest.mark.parametrize("module", ["attention", "attention_gpu", "gelu_mlp", "profile_step", "hf", "offload",
+                                    "python_tax"])
 def test_benchmarks_run_as_package_modules_from_anywhere(module, tmp_path):
     """The standalone benchmarks are modules of the package: no sys.path edits, no checkout needed."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -311,14 +319,18 @@ def test_offload_bench_runs_each_policy_on_cpu(tmp_path, capsys):
 
     out = tmp_path / "offload.json"
     assert offload.main(["Llama-3.1-8B", "--layers", "2", "--hidden", "128", "--seq-len", "32", "--form", "lora",
-                         "--rank", "4", "--autocast", "bfloat16", "--timed", "0", "--json", str(out),
-                         "--policies", "selective;selective, offload mlp;attention-kept, offload input"]) == 0
+                         "--rank", "4", "--autocast", "bfloat16", "--timed", "0", "--json", str(out), "--policies",
+                         "selective;selective, offload mlp;attention-kept, offload input;transformers"]) == 0
     text = capsys.readouterr().out
     assert "| 32 | selective, offload mlp |" in text and "| 32 | attention-kept, offload input |" in text
     rows = json.loads(out.read_text())["rows"]
-    assert [r["policy"] for r in rows] == ["selective", "selective, offload mlp", "attention-kept, offload input"]
-    assert len({r["loss"] for r in rows}) == 1  # the same step whatever is kept where
+    assert [r["policy"] for r in rows] == ["selective", "selective, offload mlp", "attention-kept, offload input",
+                                           "transformers"]
+    assert len({r["loss"] for r in rows[:3]}) == 1  # the same step whatever is kept where
     assert rows[0]["d2h"] == 0 and rows[1]["d2h"] > 0 and rows[2]["d2h"] > 0 and rows[1]["host_peak"] > 0
+    # transformers' own model as it trains by default: the same loss within bf16 autocast, more kept than ours
+    assert abs(rows[3]["loss"] - rows[0]["loss"]) <= 1e-2 * abs(rows[0]["loss"])
+    assert rows[3]["peak"] > rows[0]["peak"] and rows[3]["d2h"] == 0
     with pytest.raises(SystemExit, match="--policies"):
         offload.main(["Llama-3.1-8B", "--policies", "sometimes"])
 

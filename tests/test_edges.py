@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import selective_ckpt as sc
-from selective_ckpt import fused
+from selective_ckpt import norm_fusion
 from selective_ckpt.layers import SelectiveDecoderLayer
 from selective_ckpt.ops.gelu_mlp import gelu_backward_op, gelu_op
 
@@ -71,10 +71,10 @@ def test_double_backward_refused_naming_the_op(op, backend):
     cases = {
         "layer_norm": ("selective_ckpt.layer_norm", lambda x: sc.layer_norm(x, lw, lb), _leaf(3, 8)),
         "attention": ("selective_ckpt.attention", lambda q: sc.attention(q, q, q, causal=True), _leaf(1, 2, 5, 4)),
-        "norm_linear": ("selective_ckpt.fused.norm_linear", lambda x: fused.norm_linear(x, lw, lb, [(w1, None)]),
-                        _leaf(3, 8)),
-        "norm_mlp": ("selective_ckpt.fused.norm_mlp", lambda x: fused.norm_mlp(x, lw, lb, (w1, None, w2, None)),
-                     _leaf(3, 8)),
+        "norm_linear": ("selective_ckpt.norm_fusion.norm_linear",
+                        lambda x: norm_fusion.norm_linear(x, lw, lb, [(w1, None)]), _leaf(3, 8)),
+        "norm_mlp": ("selective_ckpt.norm_fusion.norm_mlp",
+                     lambda x: norm_fusion.norm_mlp(x, lw, lb, (w1, None, w2, None)), _leaf(3, 8)),
         "layer": (DOUBLE_BACKWARD, SelectiveDecoderLayer(8, 2), _leaf(2, 3, 8)),
     }
     name, fn, x = cases[op]

@@ -39,7 +39,7 @@ from .rounding import INTERPRETED
 INTERPRETER_BLOCKS = (16, 16)
 
 
-def _tiles(kernel, block_d, wide, dropout, lean, softcap):
+def _tiles(kernel, block_d, wide, dropout, lean, softcap, documents=False):
     # Measured (tests/gpu_compile_check.py): dropout's Philox adds registers, so dK/dV's dropout
     # variants take 32-row (D <= 64) or 16-row query blocks; only lean launches (one query head per
     # kv head, no window, no documents, whole 64-row blocks) keep the plain tile, which spilled with
@@ -48,16 +48,22 @@ def _tiles(kernel, block_d, wide, dropout, lean, softcap):
     # forward takes 8 warps (with 4 the D=64 causal and document variants spilled). D = 256 (Gemma):
     # dK/dV's 64-key tiles spilled 70-200 instructions with or without dropout, 32 x 32 none; dQ with
     # dropout spilled at 64 x 32 and not at 64 x 16. fp32 uses IEEE dots, which Hopper runs on FMA
-    # units with whole operand rows per thread: only small tiles stay out of local memory there.
+    # units with whole operand rows per thread: only small tiles stay out of local memory there. Packed documents at
+    # D > 128 (MLA's 192 in 256-wide blocks): the forward with dropout spilled 243 at 64 x 32, dQ 2 and with
+    # dropout 219: both take 32-row blocks there.
     if wide:
         return (16, 32, 4, 1) if kernel == "dkdv" else (16, 16, 4, 1)
     if kernel == "fwd":
-        return (128, 64, 8, 3) if block_d <= 128 else (64, 32, 8, 2)
+        if block_d <= 128:
+            return (128, 64, 8, 3)
+        return (32, 32, 4, 2) if documents and dropout else (64, 32, 8, 2)
     if kernel == "dq":
         if block_d <= 64:
             return (128, 64, 8, 3)
         if block_d <= 128:
             return (128, 32, 8, 2)
+        if documents:
+            return (32, 16, 4, 2)
         return (64, 16, 8, 2) if dropout else (64, 32, 8, 2)
     # dkdv: a tall key block (two fp32 accumulators) resident, query blocks streamed
     small = dropout and not lean or softcap and (dropout or block_d <= 64)
@@ -68,12 +74,16 @@ def _tiles(kernel, block_d, wide, dropout, lean, softcap):
     return (32, 32, 8, 2)
 
 
-def config(kernel, D, dtype, dropout=False, lean=False, softcap=False):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of one kernel; lean: see _tiles."""
-    block_d = max(16, triton.next_power_of_2(D))
+def _block_d(D):
+    return max(16, triton.next_power_of_2(D))
+
+
+def config(kernel, D, dtype, dropout=False, lean=False, softcap=False, documents=False):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of one kernel; lean and documents: see _tiles."""
+    block_d = _block_d(D)
     if INTERPRETED:
         return INTERPRETER_BLOCKS + (block_d, 4, 1)
-    bm, bn, warps, stages = _tiles(kernel, block_d, dtype.itemsize == 4, dropout, lean, softcap)
+    bm, bn, warps, stages = _tiles(kernel, block_d, dtype.itemsize == 4, dropout, lean, softcap, documents)
     return bm, bn, block_d, warps, stages
 
 
@@ -89,12 +99,15 @@ def _logit_factors(scale, softcap):
     return scale * LOG2E, 0.0
 
 
-def _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, kernel):
+def _flags(q, k, v, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, kernel):
     lean = q.shape[1] == k.shape[1] and window == 0 and cu_seqlens is None and Sq % 64 == 0
-    bm, bn, bd, warps, stages = config(kernel, q.shape[3], q.dtype, t16 > 0, lean, bool(softcap))
-    return dict(D=q.shape[3], CAUSAL=bool(causal), WINDOW=window > 0, VARLEN=cu_seqlens is not None,
+    D, Dv = q.shape[3], v.shape[3]
+    # tiles by the wider head dim (a value head narrower than q's, as MLA's, runs in the tiles of q's)
+    bm, bn, _, warps, stages = config(kernel, max(D, Dv), q.dtype, t16 > 0, lean, bool(softcap),
+                                      cu_seqlens is not None)
+    return dict(D=D, DV=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), CAUSAL=bool(causal), WINDOW=window > 0, VARLEN=cu_seqlens is not None,
                 HAS_PAD=pad is not None, DROPOUT=t16 > 0, SOFTCAP=bool(softcap), IEEE=q.dtype.itemsize == 4,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0, num_warps=warps,
+                BLOCK_M=bm, BLOCK_N=bn, EVEN_M=Sq % bm == 0, EVEN_N=Sk % bn == 0, num_warps=warps,
                 num_stages=stages)
 
 
@@ -122,7 +135,7 @@ def forward(q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, scale
                                                                     seed, t16, q_offset)
     if B * H * Sq == 0:
         return
-    f = _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, "fwd")
+    f = _flags(q, k, v, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, "fwd")
     grid = (triton.cdiv(Sq, f["BLOCK_M"]) * B * H,)
     _fwd_kernel[grid](q, k, v, o, lse, pad, cu_seqlens, seed, sinks, *_s3(q), *_s3(k), *_s3(v), *_s3(o),
                       H, H // Hkv, Sq, Sk, window, q_offset, n_docs, doc_bits, *_logit_factors(scale, softcap),
@@ -133,7 +146,7 @@ def delta(o, do, out, lse=None, sinks=None):
     """out [B, H, Sq] fp32 contiguous = rowsum(dO * O) in fp32. With sinks (fp32 [H]) and the forward's
     lse, returns the delta part of the sinks' gradient per program, [B, H, query blocks] (else None)."""
     B, H, Sq, D = o.shape
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = _block_d(D)
     bm = 16 if INTERPRETED else max(1, min(128, 8192 // block_d))
     n_m = triton.cdiv(Sq, bm)
     part = None if sinks is None else torch.empty(B, H, n_m, dtype=torch.float32, device=o.device)
@@ -162,20 +175,20 @@ def backward(do, q, k, v, o, lse, key_padding_mask, cu_seqlens, causal, window, 
         torch.add(delta_part.sum((0, 2)), dq_part.sum((0, 2)), out=dsinks)
 
 
-def _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale, kernel,
+def _bwd_args(q, k, v, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16, keep_scale, kernel,
               q_offset):
     B, H, Hkv, Sq, Sk, pad, n_docs, doc_bits, window, seed = _common(q, k, key_padding_mask, cu_seqlens, window,
                                                                     seed, t16, q_offset)
     tail = (H, H // Hkv, Sq, Sk, window, q_offset, n_docs, doc_bits, scale, *_logit_factors(scale, softcap), t16,
             float(keep_scale))
-    f = _flags(q, k, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, kernel)
+    f = _flags(q, k, v, Sq, Sk, causal, window, pad, cu_seqlens, softcap, t16, kernel)
     return B, H, Hkv, Sq, Sk, pad, seed, tail, f
 
 
 def backward_dkdv(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, window, scale, softcap, seed, t16,
                   keep_scale, dk, dv, q_offset=0):
     """dK, dV (reduced over each kv head's query group) given delta dl [B, H, Sq] fp32."""
-    B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale,
+    B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, v, key_padding_mask, cu_seqlens, causal, window, scale,
                                                       softcap, seed, t16, keep_scale, "dkdv", q_offset)
     _bwd_dkdv_kernel[(triton.cdiv(Sk, f["BLOCK_N"]) * B * Hkv,)](
         q, k, v, do, lse, dl, dk, dv, pad, cu_seqlens, seed, *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dk),
@@ -186,7 +199,7 @@ def backward_dq(do, q, k, v, lse, dl, key_padding_mask, cu_seqlens, causal, wind
                 keep_scale, dq, q_offset=0, sinks=None):
     """dQ given delta dl [B, H, Sq] fp32. With sinks (fp32 [H]) returns the dS part of their gradient per
     program, [B, H, query blocks] (else None)."""
-    B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, key_padding_mask, cu_seqlens, causal, window, scale,
+    B, H, Hkv, Sq, Sk, pad, seed, tail, f = _bwd_args(q, k, v, key_padding_mask, cu_seqlens, causal, window, scale,
                                                       softcap, seed, t16, keep_scale, "dq", q_offset)
     n_m = triton.cdiv(Sq, f["BLOCK_M"])
     part = None if sinks is None else torch.empty(B, H, n_m, dtype=torch.float32, device=q.device)

@@ -34,11 +34,13 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                  HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr,
-                 SOFTCAP: tl.constexpr):
+                 SOFTCAP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     # Transposed tiles [BLOCK_N, BLOCK_M]: key j down, query i across.
     EVEN_D: tl.constexpr = BLOCK_D == D
+    EVEN_DV: tl.constexpr = BLOCK_DV == DV
     CHECK: tl.constexpr = MASKED and not EVEN_M
     dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
     offs = tl.arange(0, BLOCK_M)
     # One flat loop over (query head of the group, query block), heads in order: a nested head loop
     # around the block loop kept more live across iterations and spilled; this is the G == 1 loop.
@@ -55,7 +57,7 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
         if DROPOUT:
             gstart = start + q_offset  # the block's first key position, for the masks and the dropout rows
         q = _load_rows(q_base + start.to(tl.int64) * sqm, offs, sqm, Sq - start, dims, D, CHECK, EVEN_D)
-        do = _load_rows(do_base + start.to(tl.int64) * sdm, offs, sdm, Sq - start, dims, D, CHECK, EVEN_D)
+        do = _load_rows(do_base + start.to(tl.int64) * sdm, offs, sdm, Sq - start, vdims, DV, CHECK, EVEN_DV)
         if CHECK:
             lse = tl.load(lse_base + rows, mask=rows < Sq, other=float("inf"))
             delta = tl.load(delta_base + rows, mask=rows < Sq, other=0.0)
@@ -94,15 +96,16 @@ def _dkdv_blocks(dk, dv, kb, vb, q_head, do_head, stat_head, DELTA, LSE, sqh, sd
 
 
 @triton.jit(do_not_specialize=["window", "q_offset", "n_docs", "doc_bits", "t16"])
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, PAD, CU, SEED,
                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
                      sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
                      H, G, Sq, Sk, window, q_offset, n_docs, doc_bits, scale, logit_mult, tanh_in, t16, keep_scale,
                      D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                      HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                     SOFTCAP: tl.constexpr):
+                     SOFTCAP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     EVEN_D: tl.constexpr = BLOCK_D == D
+    EVEN_DV: tl.constexpr = BLOCK_DV == DV
     n_n = tl.cdiv(Sk, BLOCK_N)
     pid = tl.program_id(0)
     bg = pid // n_n
@@ -118,7 +121,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
         cols = c0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     kb = _load_rows(K + b * skb + kvh * skh, cols, skn, Sk, dims, D, not EVEN_N, EVEN_D)
-    vb = _load_rows(V + b * svb + kvh * svh, cols, svn, Sk, dims, D, not EVEN_N, EVEN_D)
+    vdims = tl.arange(0, BLOCK_DV)
+    vb = _load_rows(V + b * svb + kvh * svh, cols, svn, Sk, vdims, DV, not EVEN_N, EVEN_DV)
     pad = 1
     if HAS_PAD:
         pad = tl.load(PAD + b * Sk + cols, mask=cols < Sk, other=0)[:, None]
@@ -149,7 +153,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
     b0, b1, b2, b3 = _ranges(c0, c1, lo, hi, full_lo, full_hi, BLOCK_M)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     h0 = kvh * G  # the group's first query head; its G heads are reduced in order (deterministic)
     args = (Q + b * sqb + h0 * sqh, DO + b * sdb + h0 * sdh, (b * H + h0) * Sq, DELTA, LSE, sqh, sdh, sqm, sdm, G)
     rest = (c0, cols, dsk, dek, pad, Sq, Sk, window, q_offset, k0, k1, b * H + h0, t16, keep_scale, logit_mult,
@@ -163,20 +167,24 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, CU, SEED,
     if CAUSAL or WINDOW or VARLEN or not EVEN_M or DROPOUT:
         if b1 > b0:
             dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
+                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP, DV,
+                                  BLOCK_DV)
         if b2 > b1:
             dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
+                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP, DV,
+                                  BLOCK_DV)
         if b3 > b2:
             dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
+                                  DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP, DV,
+                                  BLOCK_DV)
     elif b3 > b0:
         dk, dv = _dkdv_blocks(dk, dv, kb, vb, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP)
+                              DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, SOFTCAP, DV,
+                                  BLOCK_DV)
     _store_rows(DK + b * sdkb + kvh * sdkh, cols, sdkn, Sk, dims, dk * scale, D, not EVEN_N, EVEN_D)
     if DROPOUT:
         dv = dv * keep_scale
-    _store_rows(DV + b * sdvb + kvh * sdvh, cols, sdvn, Sk, dims, dv, D, not EVEN_N, EVEN_D)
+    _store_rows(DV_OUT + b * sdvb + kvh * sdvh, cols, sdvn, Sk, vdims, dv, DV, not EVEN_N, EVEN_DV)
 
 
 @triton.jit
@@ -185,10 +193,11 @@ def _dq_blocks(dq, dsum, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_h
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr,
-               SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
+               SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     EVEN_D: tl.constexpr = BLOCK_D == D
     CHECK: tl.constexpr = MASKED and not EVEN_N
     dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
     for blk in range(b_lo, b_hi):
         start = blk * BLOCK_N
         if DROPOUT:
@@ -196,7 +205,7 @@ def _dq_blocks(dq, dsum, q, do, lse2, delta, k_base, v_base, skn, svn, b_lo, b_h
         else:
             cols = start + tl.arange(0, BLOCK_N)
         kb = _load_rows(k_base, cols, skn, Sk, dims, D, CHECK, EVEN_D)
-        vb = _load_rows(v_base, cols, svn, Sk, dims, D, CHECK, EVEN_D)
+        vb = _load_rows(v_base, cols, svn, Sk, vdims, DV, CHECK, BLOCK_DV == DV)
         s, t = _scores(_dot(q, tl.trans(kb), IEEE), logit_mult, tanh_in, SOFTCAP)
         p = tl.exp2(s - lse2[:, None])
         if MASKED or HAS_PAD:
@@ -227,12 +236,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED, SINKS, DSINK,
                    D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                    HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                   SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr = False):
+                   SOFTCAP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr = False):
     EVEN_D: tl.constexpr = BLOCK_D == D
     bh, b, h, kvh, r0, r1, rows = _query_block(Sq, H, G, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q = _load_rows(Q + b * sqb + h * sqh, rows, sqm, Sq, dims, D, not EVEN_M, EVEN_D)
-    do = _load_rows(DO + b * sdb + h * sdh, rows, sdm, Sq, dims, D, not EVEN_M, EVEN_D)
+    do = _load_rows(DO + b * sdb + h * sdh, rows, sdm, Sq, tl.arange(0, BLOCK_DV), DV, not EVEN_M, BLOCK_DV == DV)
     stat = bh.to(tl.int64) * Sq + rows
     if EVEN_M:
         lse2 = tl.load(LSE + stat) * 1.4426950408889634
@@ -252,14 +261,14 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, PAD, CU, SEED, SINKS, DSINK,
             tanh_in)
     if CAUSAL or WINDOW or VARLEN or not EVEN_N:
         dq, dsum = _dq_blocks(dq, dsum, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS)
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS, DV, BLOCK_DV)
         dq, dsum = _dq_blocks(dq, dsum, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS)
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS, DV, BLOCK_DV)
         dq, dsum = _dq_blocks(dq, dsum, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS)
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS, DV, BLOCK_DV)
     else:
         dq, dsum = _dq_blocks(dq, dsum, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD, DROPOUT, IEEE, D,
-                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS)
+                        BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, HAS_SINKS, DV, BLOCK_DV)
     _store_rows(DQ + b * sdqb + h * sdqh, rows, sdqm, Sq, dims, dq * scale, D, not EVEN_M, EVEN_D)
     if HAS_SINKS:  # this block's share of the sinks' gradient, -sum_i P_sink_i rowsum_j dS_ij (rows past Sq: 0)
         p_sink = tl.exp2(tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634 - lse2)

@@ -18,10 +18,12 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                 HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_N: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     EVEN_D: tl.constexpr = BLOCK_D == D
+    EVEN_DV: tl.constexpr = BLOCK_DV == DV
     CHECK: tl.constexpr = MASKED and not EVEN_N
     dims = tl.arange(0, BLOCK_D)
+    vdims = tl.arange(0, BLOCK_DV)
     if DROPOUT:
         offs = key_order(0, BLOCK_N)
     else:
@@ -46,7 +48,7 @@ def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, b_lo, b_hi, r0, rows
         if DROPOUT:
             words = attention_keep_words(k0, k1, r0, start, bh, BLOCK_M, BLOCK_N)
             p = apply_keep(p, words, t16)  # keep_scale is applied once, to the output
-        vb = _load_rows(v_base + start.to(tl.int64) * svn, offs, svn, Sk - start, dims, D, CHECK, EVEN_D)
+        vb = _load_rows(v_base + start.to(tl.int64) * svn, offs, svn, Sk - start, vdims, DV, CHECK, EVEN_DV)
         acc = acc * alpha[:, None] + _dot(to_storage(p, vb.dtype), vb, IEEE)
         m_i = m_new
     return acc, m_i, l_i
@@ -58,7 +60,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, SINKS, sqb, sqh, sqm, skb, skh
                 D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
                 HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr = False):
+                SOFTCAP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr = False):
     EVEN_D: tl.constexpr = BLOCK_D == D
     bh, b, h, kvh, r0, r1, rows = _query_block(Sq, H, G, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -70,20 +72,24 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, SINKS, sqb, sqh, sqm, skb, skh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # o has v's head dim
     args = (q, k_base, v_base, skn, svn)
     rest = (r0 + q_offset, rows + q_offset, ds, de, pad_base, Sq, Sk, window, k0, k1, bh, t16, keep_scale, logit_mult,
             tanh_in)
     if CAUSAL or WINDOW or VARLEN or not EVEN_N:
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b0, b1, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, DV,
+                                    BLOCK_DV)
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b1, b2, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, DV,
+                                    BLOCK_DV)
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b2, b3, *rest, True, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, DV,
+                                    BLOCK_DV)
     else:
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, b0, b3, *rest, False, CAUSAL, WINDOW, VARLEN, HAS_PAD,
-                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP)
+                                    DROPOUT, IEEE, D, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_N, SOFTCAP, DV,
+                                    BLOCK_DV)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     if HAS_SINKS:  # the sink's 2^s2 joins the denominator, measured from max(m, s2) (m is finite where l > 0)
@@ -99,7 +105,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, PAD, CU, SEED, SINKS, sqb, sqh, sqm, skb, skh
         inv = inv * keep_scale
     o = acc * inv[:, None]
     lse = tl.where(empty, float("inf"), (top + tl.log2(l_safe)) * 0.6931471805599453)
-    _store_rows(OUT + b * sob + h * soh, rows, som, Sq, dims, o, D, not EVEN_M, EVEN_D)
+    _store_rows(OUT + b * sob + h * soh, rows, som, Sq, tl.arange(0, BLOCK_DV), o, DV, not EVEN_M, BLOCK_DV == DV)
     lse_ptr = LSE + bh.to(tl.int64) * Sq + rows
     if EVEN_M:
         tl.store(lse_ptr, lse)

@@ -382,8 +382,8 @@ def main(argv=None):
     out = run_dir(args.out, "hf-quick" if args.quick else "hf")
     write_csv(results, out / "results.csv")
     print(f"wrote results.csv to {out.resolve()}")
-    return results
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(1 if main() == 1 else 0)
+    sys.exit(main())

@@ -8,8 +8,8 @@
     python -m selective_ckpt.bench.offload Llama-3.1-8B --layers 2 --hidden 128 --seq-len 64   # CPU, small
 
 "plan" is selective_ckpt.plan's for --gpu and --host at each context (with the rates of --rates, else the
-device's probed ones); the transformers rows run the unconverted model under its activation checkpointing (with
-offload=True for the offloaded one). --gpu on CUDA also caps the process at that much memory
+device's probed ones); the transformers rows run the unconverted model as it trains by default ("transformers")
+and under its activation checkpointing (with offload=True for the offloaded one). --gpu on CUDA also caps the process at that much memory
 (torch.cuda.set_per_process_memory_fraction), so an 80 GB card is emulated on a larger one. --predict adds the
 fit's predicted peak and step time of each row (its variant, or the plan's own) and their ratios to the measured.
 
@@ -43,9 +43,10 @@ POLICIES = {
     "full, offload input, layer in 16 tiles": policy("full", offload=["input"], layer_tiles=16),
 }
 _GIB = 2 ** 30
-# rows that are no policy of ours: the planner's plan, and transformers' own checkpointing
+# rows that are no policy of ours: the planner's plan, and transformers' model as it trains by default and under its
+# own checkpointing
 PLAN = "plan"
-TRANSFORMERS = ("transformers + gradient checkpointing", "transformers + offloaded checkpointing")
+TRANSFORMERS = ("transformers", "transformers + gradient checkpointing", "transformers + offloaded checkpointing")
 # the fit variant whose prediction a policy row is compared with
 _FIT_VARIANTS = {"selective": "ours selective", "full": "ours full",
                  "full, offload input": "ours full, inputs offloaded",
@@ -85,8 +86,9 @@ def measure(config, form, name, device, batch, seq_len, timed=1):
     if name in TRANSFORMERS:
         model = build(config, form, "transformers", device)
         root = model.get_base_model() if hasattr(model, "get_base_model") else model
-        root.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                             offload="offloaded" in name)
+        if name != "transformers":
+            root.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                                 offload="offloaded" in name)
         engine = None
     else:
         model = convert(build(config, form, "transformers", device), recompute="selective")

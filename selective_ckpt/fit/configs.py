@@ -46,6 +46,9 @@ BUNDLED = {
     # hybrids: three linear-attention (Gated DeltaNet) layers to each full-attention one; Qwen3.5-9B's text model
     "Qwen3-Next-80B-A3B": "qwen3-next-80b-a3b.json",
     "Qwen3.5-9B": "qwen3.5-9b.json",
+    # a mixture of experts with attention sinks and alternating sliding-window layers; its experts are 3-D
+    # parameters, which bitsandbytes' 4-bit layers do not quantize (a QLoRA base keeps them unquantized)
+    "gpt-oss-20b": "gpt-oss-20b.json",
 }
 
 

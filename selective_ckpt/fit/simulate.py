@@ -214,9 +214,9 @@ def checkpointing(model, on):
 
 
 def _even_eager_experts(self, hidden_states, top_k_index, top_k_weights):
-    """transformers' "eager" experts forward (Mixtral, Qwen2-MoE, Qwen3-MoE: the routing mask, then per expert
-    its rows gathered, gate_up, act(gate) * up, down, the routing weight, added into the output), with the
-    routed rows split evenly between the experts: fake tensors hold no index to split them by."""
+    """transformers' "eager" experts forward (the routing mask, then per expert its rows gathered, gate_up,
+    act(gate) * up, down, the routing weight, added into the output), with the routed rows split evenly between
+    the experts: fake tensors hold no index to split them by."""
     final = torch.zeros_like(hidden_states)
     tokens, top_k = top_k_index.shape
     with torch.no_grad():

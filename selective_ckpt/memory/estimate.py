@@ -220,7 +220,7 @@ class LoRA:
 
 @dataclasses.dataclass(frozen=True)
 class MoE:
-    """A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE as converted), for `estimate`.
+    """A sparse mixture-of-experts MLP (a model spec's `ModelSpec.moe` as converted), for `estimate`.
 
     `num_experts` experts of width `expert_dim`, `top_k` of them per token: t*top_k routed rows, each
     keeping its expert's gate and up outputs (2*expert_dim elements of the MLP's dtype); act(gate) * up,

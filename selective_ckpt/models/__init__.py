@@ -1,8 +1,8 @@
 """Model integrations: a model spec per model family, one driver, consulted by convert().
 
 A Hugging Face model family is a module models/<family>.py defining `SPEC` (a spec.ModelSpec); every
-such module is found here, so a new family is that one file. Hugging Face models (gpt2, llama,
-mistral, qwen2, qwen3) are chosen by `config.model_type` and converted in place by patching
+such module is found here, so a new family is that one file. A Hugging Face model of any of these families
+(`model_specs()`; README lists them) is chosen by `config.model_type` and converted in place by patching
 (hf.plan and hf.apply): every module, name and parameter stays. The eager
 benchmark layer (models/eager.py) is swapped for a SelectiveDecoderLayer. Every block is checked
 before anything is changed, so a failed convert leaves the model as it was.

@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLPs of Hugging Face models (Mixtral, Qwen2-MoE, Qwen3-MoE), converted in place.
+"""Sparse mixture-of-experts MLPs of Hugging Face models (the specs with `ModelSpec.moe`), converted in place.
 
 transformers stores a layer's experts as two 3-D parameters (`gate_up_proj` [E, 2I, H], `down_proj`
 [E, H, I]) and picks the experts' forward by `config._experts_implementation` ("eager" loops over the

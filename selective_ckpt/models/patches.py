@@ -58,7 +58,7 @@ def layer_norm_forward(self, x, kept="residual"):
     return pipeline.discardable(y, layer_norm_apply, x, w, b, mean, rstd)
 
 
-# --- RMSNorm (Llama, Mistral, Qwen2, Qwen3 incl. q/k norms): the fused kernel in Hugging Face's rounding
+# --- RMSNorm (every spec's NormSpec "rmsnorm", q/k norms included): the fused kernel in Hugging Face's rounding
 # order for the offset (ops/rms_norm.py); keeps x and the fp32 rstd, the output is rebuilt from them.
 
 def rms_norm_forward(self, x, offset=0.0, kept="residual"):
@@ -205,7 +205,7 @@ def _gate_up_mlp(self, x):
 
 
 def gate_up_mlp_forward(self, x):
-    """LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP: down(act_fn(gate(x)) * up(x)), projections as modules."""
+    """An MLP of the "gate_up" layout (LlamaMLP's): down(act_fn(gate(x)) * up(x)), projections as modules."""
     pipeline.tag(x, "residual", if_untagged=True)  # x1 where no norm precedes the MLP (post-norm layers)
     return tiling.run_in_tiles(functools.partial(_gate_up_mlp, self), x, mlp_tiles(self))
 

@@ -23,12 +23,18 @@ from . import attention_dispatch
 from .eager import fast_eager
 
 
-def _output(q):
-    """The output buffer, contiguous [B, Sq, H, D]. The op returns it as it is and callers take the
-    [B, H, Sq, D] view outside the op: an ordinary view, so in-place ops on it work as on eager
+def _output(q, v):
+    """The output buffer, contiguous [B, Sq, H, Dv] (v's head dim). The op returns it as it is and callers take the
+    [B, H, Sq, Dv] view outside the op: an ordinary view, so in-place ops on it work as on eager
     outputs (a view made inside a custom op is refused by autograd for in-place use)."""
-    B, H, Sq, D = q.shape
-    return torch.empty(B, Sq, H, D, dtype=q.dtype, device=q.device)
+    B, H, Sq, _ = q.shape
+    return torch.empty(B, Sq, H, v.shape[-1], dtype=q.dtype, device=q.device)
+
+
+def _ours_only(q, v, sinks):
+    """Arguments only our kernels take: sinks, and a value head dim other than q's (PyTorch's fused kernels are
+    not dispatched to for it)."""
+    return sinks is not None or v.shape[-1] != q.shape[-1]
 
 
 def heads_view(o):
@@ -44,12 +50,12 @@ def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
                      sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     kernel = attention_dispatch.choose_for(q, k, mask, cu_seqlens, causal, sliding_window, dropout_p, softcap, q_offset,
-                                           extra=sinks is not None)
+                                           extra=_ours_only(q, v, sinks))
     if kernel != attention_dispatch.OURS:  # PyTorch's kernel: the same o and lse (attention_dispatch)
         return attention_dispatch.forward(kernel, q, k, v, mask, cu_seqlens, causal, sliding_window, softmax_scale,
                                           q_offset)
     B, H, Sq, _ = q.shape
-    o = _output(q)
+    o = _output(q, v)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     t16, ks = rng.kernel_constants(dropout_p)
     if o.numel():  # an empty batch or query length has nothing to compute
@@ -67,7 +73,7 @@ def _sinks32(sinks):
 def _(q, k, v, key_padding_mask, cu_seqlens, causal, sliding_window, dropout_p, softmax_scale, seed, softcap=0.0,
       q_offset=0, sinks=None):
     B, H, Sq, _ = q.shape
-    return _output(q), q.new_empty(B, H, Sq, dtype=torch.float32)
+    return _output(q, v), q.new_empty(B, H, Sq, dtype=torch.float32)
 
 
 @torch.library.custom_op("selective_ckpt::attention_bwd", mutates_args=())
@@ -81,7 +87,7 @@ def attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     do = do.contiguous()  # a grad from .sum().backward() has stride 0
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     kernel = attention_dispatch.choose_for(q, k, mask, cu_seqlens, causal, sliding_window, dropout_p, softcap, q_offset,
-                                           extra=sinks is not None)
+                                           extra=_ours_only(q, v, sinks))
     if kernel != attention_dispatch.OURS:  # the backward of the kernel that ran forward (the same choice)
         return (*attention_dispatch.backward(kernel, do, q, k, v, o, lse, mask, cu_seqlens, causal, sliding_window,
                                              softmax_scale, q_offset), _dsinks(q, None))
@@ -151,15 +157,17 @@ def _check_qkv(q, k, v):
     if k.shape[1] < 1 or H % k.shape[1]:
         raise ValueError(f"k and v must have a number of heads Hkv that divides q's H={H} (grouped-query "
                          f"attention: query head h reads kv head h // (H // Hkv)), got Hkv={k.shape[1]}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k {list(k.shape)}, got {list(v.shape)}")
-    if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim D (the last dim of q, k, v) must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must have shape [B, Hkv, Sk, Dv] with k's {list(k.shape[:3])}, got {list(v.shape)}")
+    Dv = v.shape[3]
+    for name, dim in (("head dim D (the last dim of q and k)", D), ("value head dim Dv (the last dim of v)", Dv)):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be in [1, {MAX_HEAD_DIM}], got {dim}")
     if H < 1 or (k.shape[2] < 1 and B * Sq > 0):
         raise ValueError(f"H and Sk must be at least 1 (B = 0 or Sq = 0 give an empty output), got q "
                          f"{list(q.shape)} and k {list(k.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 and D > 1:  # a size-1 dim's stride is never used
+        if t.stride(-1) != 1 and t.shape[-1] > 1:  # a size-1 dim's stride is never used
             raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
 
 
@@ -276,10 +284,11 @@ def check_sinks(sinks, q, name="sinks"):
 
 def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padding_mask=None, seed=None, *,
               sliding_window=None, cu_seqlens=None, softcap=None, q_offset=0, sinks=None):
-    """softmax(q k^T * softmax_scale + masks), dropped out, times v: o [B, H, Sq, D].
+    """softmax(q k^T * softmax_scale + masks), dropped out, times v: o [B, H, Sq, Dv].
 
-    q [B, H, Sq, D], k and v [B, Hkv, Sk, D] with H % Hkv == 0 (query head h reads kv head
-    h // (H // Hkv); k and v are never expanded), one dtype (fp32, fp16, bf16), any strides with a
+    q [B, H, Sq, D], k [B, Hkv, Sk, D] and v [B, Hkv, Sk, Dv] with H % Hkv == 0 (query head h reads kv head
+    h // (H // Hkv); k and v are never expanded); v's head dim Dv may differ from D (multi-head latent
+    attention: the rotary part widens q and k only), one dtype (fp32, fp16, bf16), any strides with a
     contiguous last dim (any stride when D = 1); B = 0 or Sq = 0 give an empty output. `causal` lets
     query i attend keys j <= i (top-left, like PyTorch's is_causal); `sliding_window=w` also requires
     j > i - w (Mistral's convention);
@@ -287,7 +296,7 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     documents into one row (B = 1, Sq = Sk = S): queries attend only keys of their own document,
     causal and window measured inside it. Rows with nothing to attend give 0.
     `dropout_p` drops normalised probabilities with the contract's mask; `seed=None` draws one from
-    torch's generator when dropout_p > 0. The result is an ordinary view of a contiguous [B, Sq, H, D]
+    torch's generator when dropout_p > 0. The result is an ordinary view of a contiguous [B, Sq, H, Dv]
     buffer (in-place ops on it work as on any tensor). `softcap=c` (Gemma 2's attention-logit
     soft-capping) makes the scores c * tanh(q k^T * softmax_scale / c) before masks and softmax;
     backward rebuilds them and their tanh from q and k.

@@ -2,14 +2,14 @@
 
 act is a kernel activation (selective_ckpt/activations.py): SiLU (SwiGLU: Llama, Mistral, Qwen),
 tanh-GELU (GeGLU: Gemma) or exact erf GELU (a Llama-shaped model with hidden_act="gelu"). gate and up are two
-matmuls with nn.Linear weights, not one packed [2 * ffn, h] matmul (docs/kernels/mlp.md, "Gated MLP"):
+matmuls with nn.Linear weights, not one packed [2 * ffn, h] matmul (docs/kernels/gated_mlp.md):
 the model's own gate_proj / up_proj modules and state-dict keys stay as they are, and no packed
 weight is concatenated (and its gradient split) every step. Biases go inside the matmuls (addmm).
 
 Backward keeps x, the gate and up outputs (2 * ffn per token) and the dropout seed. The product
 a = act(gate) * up (down's input) is rebuilt once by a fused kernel for down's weight gradient and
 freed; one fused pass then turns dL/da into dgate (in place, in dL/da's buffer) and dup.
-`gated_mlp_forward` / `gated_mlp_backward` carry the computation so selective_ckpt/fused.py
+`gated_mlp_forward` / `gated_mlp_backward` carry the computation so selective_ckpt/norm_fusion.py
 (which keeps the norm input instead of x) reuses them; `gated_product` is the bare product as an
 autograd building block that keeps gate and up only.
 """

@@ -8,7 +8,7 @@ which measured up to 5x eager's own error against float64 on small inner sizes.
 Backward keeps x and the fc1 output h = x @ w1^T + b1 (the GELU input) and the dropout seed. The
 GELU output is recomputed from h for fc2's weight gradient and the dropout mask is regenerated
 from the seed, so neither is stored. `gelu_mlp_forward` and `gelu_mlp_backward` carry the computation so
-other autograd code (selective_ckpt/fused.py, which saves the norm input instead of x) reuses them.
+other autograd code (selective_ckpt/norm_fusion.py, which saves the norm input instead of x) reuses them.
 """
 
 import torch

@@ -2,7 +2,7 @@
 
 `layer_norm_fwd` returns (y, mean, rstd) with statistics in float32 (float64 for float64 inputs);
 `layer_norm_apply` rebuilds y from (x, mean, rstd) bit-identically, which is what lets the fused
-norm -> Linear and norm -> MLP pieces (selective_ckpt/fused.py) drop the output after forward.
+norm -> Linear and norm -> MLP pieces (selective_ckpt/norm_fusion.py) drop the output after forward.
 """
 
 from typing import Optional

@@ -2,7 +2,7 @@
 
 `rms_norm_fwd` returns (y, rstd) with rstd in float32 (float64 for float64 inputs);
 `rms_norm_apply` rebuilds y from (x, rstd) bit-identically, which is what lets the fused
-norm -> Linear and norm -> gated MLP pieces (selective_ckpt/fused.py) drop the output after forward.
+norm -> Linear and norm -> gated MLP pieces (selective_ckpt/norm_fusion.py) drop the output after forward.
 
 Rounding order follows the two Hugging Face forms (docs/kernels/rms_norm.md): offset 0 (Llama,
 Mistral, Qwen) is `w * (x * rstd).to(dtype)`; offset 1 (Gemma) is `(x * rstd * (1 + w)).to(dtype)`.

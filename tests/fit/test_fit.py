@@ -165,8 +165,10 @@ def test_bundled_configs_load_and_project():
 
 
 # PEFT takes gate_proj, up_proj and down_proj for Qwen3-Next's fused expert weights, which convert refuses by name:
-# LoRA on its attention and DeltaNet projections
-_BUNDLED_TARGETS = {"Qwen3-Next-80B-A3B": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "out_proj")}
+# LoRA on its attention and DeltaNet projections; gpt-oss's experts are parameters, not linear modules: LoRA on its
+# attention
+_BUNDLED_TARGETS = {"Qwen3-Next-80B-A3B": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "out_proj"),
+                    "gpt-oss-20b": ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 
 @pytest.mark.parametrize("name", BUNDLED)

@@ -53,13 +53,13 @@ def _args(q, k, v, mask, cu, causal, window, scale, p, seed, softcap=0.0):
                   cu_seqlens=0 if cu_t is None else cu_t.data_ptr(), n_docs=0 if cu is None else len(cu) - 1,
                   causal=causal, window=window or 0, scale=scale, softcap=softcap,
                   seed=0 if seed_t is None else seed_t.data_ptr(), t16=rng.threshold(p), keep_scale=rng.keep_scale(p))
-    return (B, H, Hkv, Sq, Sk, D), common, keep
+    return (B, H, Hkv, Sq, Sk, D, v.shape[3]), common, keep
 
 
 def kernel_forward(q, k, v, mask=None, cu=None, causal=False, window=0, scale=None, p=0.0, seed=0, softcap=0.0):
     B, H, Sq, D = q.shape
     sizes, common, _keep = _args(q, k, v, mask, cu, causal, window, scale, p, seed, softcap)
-    o = torch.full((B, Sq, H, D), 7.0, dtype=q.dtype).permute(0, 2, 1, 3)  # the op's layout; 7 = unwritten
+    o = torch.full((B, Sq, H, v.shape[3]), 7.0, dtype=q.dtype).permute(0, 2, 1, 3)  # the op's layout; 7 = unwritten
     lse = torch.full((B, H, Sq), 7.0)
     _C.attention_forward(CODES[q.dtype], sizes, q.data_ptr(), q.stride()[:3], k.data_ptr(), k.stride()[:3],
                          v.data_ptr(), v.stride()[:3], o.data_ptr(), o.stride()[:3], lse.data_ptr(), **common)
@@ -104,8 +104,12 @@ def with_grads(fn, q, k, v, grad):
     return o.detach(), q.grad, k.grad, v.grad
 
 
-def make(B, H, Hkv, Sq, Sk, D, dtype, seed=0, packed=False):
+def make(B, H, Hkv, Sq, Sk, D, dtype, seed=0, packed=False, Dv=None):
+    """q, k of head dim D and v of head dim Dv (D unless given: MLA's value head is narrower)."""
     g = torch.Generator().manual_seed(seed)
+    if Dv is not None and Dv != D:
+        return (torch.randn(B, H, Sq, D, generator=g).to(dtype), torch.randn(B, Hkv, Sk, D, generator=g).to(dtype),
+                torch.randn(B, Hkv, Sk, Dv, generator=g).to(dtype))
     if packed:  # views of one [B, S, H + 2 Hkv, D] projection, as the layer makes them
         qkv = torch.randn(B, Sq, H + 2 * Hkv, D, generator=g).to(dtype).transpose(1, 2)
         return qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]
@@ -114,8 +118,8 @@ def make(B, H, Hkv, Sq, Sk, D, dtype, seed=0, packed=False):
 
 
 def check(B, H, Hkv, Sq, Sk, D, dtype, causal=False, window=0, pad=False, empty=False, cu=None, p=0.0,
-          scale=None, packed=False, seed=1234):
-    q, k, v = make(B, H, Hkv, Sq, Sk, D, dtype, packed=packed)
+          scale=None, packed=False, seed=1234, Dv=None):
+    q, k, v = make(B, H, Hkv, Sq, Sk, D, dtype, packed=packed, Dv=Dv)
     mask = None
     if pad:
         mask = torch.rand(B, Sk, generator=torch.Generator().manual_seed(1)) > 0.3
@@ -124,7 +128,7 @@ def check(B, H, Hkv, Sq, Sk, D, dtype, causal=False, window=0, pad=False, empty=
             mask[0] = False  # batch 0 attends nothing
     allow = attention_allowed(B, Sq, Sk, causal, window, mask, cu)
     sc = D**-0.5 if scale is None else scale
-    grad = torch.randn(B, H, Sq, D, generator=torch.Generator().manual_seed(7))
+    grad = torch.randn(B, H, Sq, v.shape[3], generator=torch.Generator().manual_seed(7))
     kw = dict(mask=mask, cu=cu, causal=causal, window=window, scale=scale, p=p, seed=seed)
 
     o, lse = kernel_forward(q, k, v, **kw)
@@ -185,6 +189,33 @@ PACKED = [
     ([0, 77], False, 3, 0.17),
     ([0, 16, 32, 48, 64, 65], True, 0, 0.0),
 ]
+
+
+# v's head dim Dv != D (multi-head latent attention: q, k of 192 = 128 + 64 rotary, v of 128), odd both ways:
+# (B, H, Hkv, Sq, Sk, D, Dv, causal, window, padding, dropout)
+VALUE_DIMS = [
+    (1, 2, 1, 77, 77, 48, 32, True, 0, True, 0.17),
+    (2, 4, 2, 45, 113, 24, 40, False, 5, True, 0.0),
+    (1, 2, 2, 113, 113, 67, 3, True, 0, False, 0.17),
+    (1, 2, 1, 17, 33, 5, 131, False, 0, False, 0.0),
+    (1, 3, 3, 96, 96, 192, 128, True, 0, False, 0.0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", VALUE_DIMS, ids=lambda c: "-".join(map(str, c)))
+def test_value_head_dim(case, dtype, backward_passes):
+    B, H, Hkv, Sq, Sk, D, Dv, causal, window, pad, p = case
+    o, _, dq, dk, dv = check(B, H, Hkv, Sq, Sk, D, dtype, causal, window, pad, p=p, Dv=Dv)
+    assert o.shape[-1] == Dv and dq.shape[-1] == D and dk.shape[-1] == D and dv.shape[-1] == Dv
+
+
+@pytest.mark.parametrize("bq,bk", [(16, 16), (48, 16)])
+def test_value_head_dim_tiles_and_documents(bq, bk, tiles, backward_passes):
+    """Dv != D at ragged tile edges and with packed documents."""
+    tiles(bq, bk)
+    check(1, 4, 2, 113, 113, 80, torch.float32, True, 0, p=0.17, Dv=48, cu=[0, 1, 18, 95, 96, 113])
+    check(1, 4, 2, 113, 113, 40, torch.bfloat16, True, 5, p=0.0, Dv=72, cu=[0, 40, 41, 113])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -367,6 +398,7 @@ def test_every_compiled_isa(isa, backward_passes):
         check(1, 2, 1, 77, 45, 3, torch.bfloat16, False, 9, True, True, p=0.0)
         check(2, 2, 1, 45, 77, 40, torch.bfloat16, False, 0, False, False, p=0.17)
         check(1, 4, 2, 96, 96, 64, torch.float16, True, 5, cu=[0, 1, 40, 40, 96], p=0.17)
+        check(1, 2, 1, 77, 77, 48, torch.bfloat16, True, 0, True, False, p=0.17, Dv=35)  # v's own head dim
     finally:
         _C.attention_use_isa(old)
 

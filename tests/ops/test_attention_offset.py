@@ -40,12 +40,14 @@ def eager_offset(q, k, v, q_offset=0, causal=False, window=0, pad=None, cu=None,
     return probs @ v
 
 
-def _inputs(B, H, Hkv, Sq, Sk, D, dtype, gen_seed=0):
+def _inputs(B, H, Hkv, Sq, Sk, D, dtype, gen_seed=0, Dv=None):
+    """q, k of head dim D, v (and the output's gradient) of Dv (D unless given)."""
+    Dv = D if Dv is None else Dv
     g = torch.Generator().manual_seed(gen_seed)
     q = torch.randn(B, H, Sq, D, generator=g).to(dtype)
     k = torch.randn(B, Hkv, Sk, D, generator=g).to(dtype)
-    v = torch.randn(B, Hkv, Sk, D, generator=g).to(dtype)
-    return q, k, v, torch.randn(B, H, Sq, D, generator=g)
+    v = torch.randn(B, Hkv, Sk, Dv, generator=g).to(dtype)
+    return q, k, v, torch.randn(B, H, Sq, Dv, generator=g)
 
 
 def _pad(B, Sk, gen_seed=5):
@@ -72,10 +74,11 @@ def _ours(q_offset, causal, window, pad, cu, cap, p, seed, device="cpu"):
                                                     softcap=cap or None, q_offset=q_offset)
 
 
-def check_against_reference(case, dtype, seed=77):
-    """Our q_offset call against the float64 reference, under the rule; fp32 also within 2e-5."""
+def check_against_reference(case, dtype, seed=77, Dv=None):
+    """Our q_offset call against the float64 reference, under the rule; fp32 also within 2e-5. Dv: v's head dim
+    when it differs from q and k's."""
     B, H, Hkv, Sq, Sk, D, off, causal, window, padding, docs, cap, p = case
-    q, k, v, grad = _inputs(B, H, Hkv, Sq, Sk, D, dtype)
+    q, k, v, grad = _inputs(B, H, Hkv, Sq, Sk, D, dtype, Dv=Dv)
     pad = _pad(B, Sk) if padding else None
     cu = _cu(docs)
     kw = dict(q_offset=off, causal=causal, window=window, pad=pad, cu=cu, cap=cap, p=p, seed=seed)

@@ -59,8 +59,9 @@ def _run(fn, q, k, v, sinks, grad):
     return o.detach(), q.grad, k.grad, v.grad, sinks.grad
 
 
-def _ours(q_offset=0, causal=False, window=0, pad=None, cu=None, cap=0.0, p=0.0, seed=0):
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+def _ours(q_offset=0, causal=False, window=0, pad=None, cu=None, cap=0.0, p=0.0, seed=0, device="cpu"):
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
+    pad = None if pad is None else pad.to(device)
     return lambda a, b, c, s: selective_ckpt.attention(a, b, c, causal=causal, dropout_p=p, key_padding_mask=pad,
                                                        seed=seed, sliding_window=window or None, cu_seqlens=cu_t,
                                                        softcap=cap or None, q_offset=q_offset, sinks=s)
@@ -78,9 +79,10 @@ CASES = {
 }
 
 
-def check(name, dtype, case=None, sink_dtype=None, seed=77):
+def check(name, dtype, case=None, sink_dtype=None, seed=77, device="cpu"):
     """Ours against the float64 reference under the rule (gradients of q, k, v and sinks); fp32 also within
-    2e-5 absolute. The sinks are in q's dtype unless sink_dtype says otherwise (eager takes them in q's)."""
+    2e-5 absolute. The sinks are in q's dtype unless sink_dtype says otherwise (eager takes them in q's).
+    `device`: where ours runs (eager and the reference run on the CPU)."""
     B, H, Hkv, Sq, Sk, D, off, causal, window, padding, docs, cap, p = case or CASES[name]
     q, k, v, sinks, grad = _inputs(B, H, Hkv, Sq, Sk, D, dtype, sink_dtype or dtype)
     pad = None
@@ -89,7 +91,8 @@ def check(name, dtype, case=None, sink_dtype=None, seed=77):
         pad[:, 0] = True
     cu = None if docs is None else [0, *torch.tensor(docs).cumsum(0).tolist()]
     kw = dict(q_offset=off, causal=causal, window=window, pad=pad, cu=cu, cap=cap, p=p, seed=seed)
-    ours = _run(_ours(**kw), q, k, v, sinks, grad)
+    ours = _run(_ours(**kw, device=device), *(t.to(device) for t in (q, k, v, sinks, grad)))
+    ours = tuple(t.cpu() for t in ours)
     eager = _run(lambda a, b, c, s: eager_sinks(a, b, c, s.to(dtype), **kw), q, k, v, sinks, grad)
     ref = _run(lambda a, b, c, s: eager_sinks(a, b, c, s, **kw), q.double(), k.double(), v.double(), sinks.double(),
                grad)
@@ -116,6 +119,14 @@ def small_tiles():
 def test_cpp_sinks_against_float64(name, dtype, use_backend):
     use_backend("cpp")
     check(name, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("name", [name for name in CASES if name != "one-key"])
+def test_compiled_triton_sinks_against_float64(name, dtype):
+    """The compiled Triton kernels on a GPU (sinks always run ours: no fused kernel of PyTorch's takes them)."""
+    check(name, dtype, device="cuda")
 
 
 def test_cpp_sinks_one_key(use_backend):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selective_ckpt import backend, fused
+from selective_ckpt import backend, norm_fusion
 from selective_ckpt.ops import layer_norm as ln_ops
 from tests.reference import assert_within_rule
 
@@ -99,7 +99,8 @@ def test_norm_linear_matches_reference(backend, dtype, store):
         out.backward(dy.to(out.dtype))
         return [out.detach()] + [t.grad for t in leaves]
 
-    ours = run(lambda x, lw, lb, w, b: fused.norm_linear(x, lw, lb, [(w, b)], eps=1e-5, store=store), x, lw, lb, w, b)
+    ours = run(lambda x, lw, lb, w, b: norm_fusion.norm_linear(x, lw, lb, [(w, b)], eps=1e-5, store=store),
+               x, lw, lb, w, b)
     eager_fn = lambda x, lw, lb, w, b: F.linear(F.layer_norm(x, (24,), lw, lb, 1e-5), w, b)
     eager = run(eager_fn, x, lw, lb, w, b)
     ref = run(eager_fn, *(t.double() for t in (x, lw, lb, w, b)))
@@ -114,7 +115,7 @@ def test_norm_linear_store_and_recompute_bit_identical(backend):
     grads = []
     for store in (False, True):
         leaves = [t.clone().requires_grad_(True) for t in (x, lw, lb, w)]
-        out = fused.norm_linear(*leaves[:3], [(leaves[3], None)], store=store)
+        out = norm_fusion.norm_linear(*leaves[:3], [(leaves[3], None)], store=store)
         out.backward(dy)
         grads.append([out] + [t.grad for t in leaves])
     for a, c in zip(*grads):
@@ -170,4 +171,4 @@ def test_ops_refuse_mismatched_operands_instead_of_reading_past_them():
     with pytest.raises(ValueError, match="dy must match x"):
         ln_ops.layer_norm_bwd(torch.ones(3, 7), x, mean, rstd, torch.ones(8))
     with pytest.raises(ValueError, match="weight must be \\[8\\]"):
-        fused.norm_linear(x[None], torch.ones(5), None, [(torch.randn(4, 8), None)])
+        norm_fusion.norm_linear(x[None], torch.ones(5), None, [(torch.randn(4, 8), None)])

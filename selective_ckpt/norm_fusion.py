@@ -185,7 +185,7 @@ def _backward(ctx, *douts):
     return (None,) * _SETTINGS + (dx, dnw, dnb, *grads)
 
 
-_BACKWARD = {op: first_order_only(f"selective_ckpt.fused.{op}")(_backward) for op in ("norm_linear", "norm_mlp")}
+_BACKWARD = {op: first_order_only(f"selective_ckpt.norm_fusion.{op}")(_backward) for op in ("norm_linear", "norm_mlp")}
 
 
 def _check_norm(norm, norm_b):

@@ -7,7 +7,7 @@ allocates on top of inputs and parameters, with ratios against eager and against
 Peak memory: on CUDA the caching allocator's peak; on CPU selective_ckpt.memory.cpu_peak_bytes,
 the running sum of the profiler's allocation events (buffers inside custom ops included).
 
-    python -m selective_ckpt.bench.mlp --tokens 2048 --d-in 512 --hidden 2048
+    python -m selective_ckpt.bench.gelu_mlp --tokens 2048 --d-in 512 --hidden 2048
 """
 
 import argparse
