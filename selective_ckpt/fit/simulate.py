@@ -242,8 +242,9 @@ def even_routing(model):
     from types import MethodType
 
     for m in model.modules():
+        # (experts without a config run one implementation of their own, Llama 4's every expert on every token)
         if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "num_experts") and \
-                compat.experts_implementation(m.config) == "eager":
+                hasattr(m, "config") and compat.experts_implementation(m.config) == "eager":
             m.forward = MethodType(_even_eager_experts, m)
 
 

@@ -51,6 +51,7 @@ from .policy import OTHER, resolve
 
 _state = threading.local()
 _TO_COPY = torch.ops.aten._to_copy.default
+_PARAMETER = torch.nn.Parameter
 
 
 def _node_types():
@@ -137,12 +138,18 @@ class _Rebuild:
     def get(self):
         if self.value is None:
             self.count += 1
-            with torch.no_grad():
-                args = [a.get() if isinstance(a, _View) else a for a in self.args]
-                value = self.fn(*args)
-                # laid out as the registered output's storage, which the placeholders' geometry reads
-                self.value = (value.permute(self.order) if self.order else value).contiguous()
+            if torch.is_grad_enabled():  # a backward that builds a graph (create_graph); else none to leave
+                with torch.no_grad():
+                    self.value = self._rebuilt()
+            else:
+                self.value = self._rebuilt()
         return self.value
+
+    def _rebuilt(self):
+        args = [a.get() if isinstance(a, _View) else a for a in self.args]
+        value = self.fn(*args)
+        # laid out as the registered output's storage, which the placeholders' geometry reads
+        return (value.permute(self.order) if self.order else value).contiguous()
 
 
 class _View:
@@ -271,7 +278,7 @@ class _LayerPipeline:
         """A _View reading t back from a registered output, or None."""
         key = _key(t)
         entry = self.outputs.get(key) if key is not None else None
-        if entry is None:
+        if entry is None and self.casts:
             entry = self._promote_cast(t, key)
         if entry is None:
             return None
@@ -329,9 +336,10 @@ class _LayerPipeline:
             if root is None or root._version != found[1] or root.dtype == t.dtype or root.shape != shape \
                     or root.device != t.device:
                 return None
-            if self.learning and _key(root) in self.cast_keys:
+            root_key = _key(root)
+            if self.learning and root_key in self.cast_keys:
                 return None  # a cast the watcher registered: the graph alone would not know it
-            source = self.view_of(root) if _key(root) in self.outputs else None
+            source = self.view_of(root) if root_key in self.outputs else None
             if source is None and not (root.element_size() <= t.element_size()
                                        or isinstance(root, torch.nn.Parameter)):
                 return None
@@ -417,6 +425,10 @@ class _LayerPipeline:
         return view
 
     def pack(self, t):
+        if not self.classify and (type(t) is _PARAMETER or type(t._base) is _PARAMETER):
+            # a parameter or a view of one (a Linear saves its weight transposed) is never a registered output nor
+            # a cast, and nothing reads its class: kept without a lookup (a third of what a layer saves)
+            return t if t.grad_fn is None else t.detach()
         if self.rebuilds:
             view = self.lookup(t)
             if view is not None:

@@ -25,7 +25,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
              dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
              norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, post_norms=False, moe=None, mixer=None,
-             attn_gate=False, parts=(), **layer_kwargs):
+             attn_gate=False, mla=None, qk_norm_weightless=False, query_scales=False, parts=(), **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -103,6 +103,11 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     A mixer with `attention=True` runs beside the attention on the same normed input (Falcon-H1): attention's
     parts stay, plus the normed input times a number that q/k/v read (t*h*e; one cast each under autocast).
 
+    `mla` (memory.MLA): the attention is multi-head latent attention (DeepSeek-V3): its q/k/v and o parts are
+    MLA.kept's (docs/kernels/mla.md), its two latent norms add their statistics. `qk_norm_weightless` (Llama 4):
+    rotated q/k norms without a weight, q and k rotated in their own dtype, each norm keeping a row of ones;
+    `query_scales`: q times a float32 scale per position (Llama 4's attention temperature).
+
     Each of these forms is a part of the layer (memory/parts.py, `layer_parts`): `parts` adds others, objects with
     `keep(kept, sizes)` entering what they keep, after the layer's own.
     """
@@ -134,7 +139,7 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
                   as_dtype(residual_dtype) if residual_dtype is not None else dtype, rms, norm_stats)
     kept = {}
     for part in layer_parts(residual, norms, qk_norm, post_norms, moe, mixer, attn_gate, scalar_multipliers, gated,
-                            parts):
+                            parts, mla, qk_norm_weightless, query_scales):
         part.keep(kept, sizes)
     if sizes.rebuilds:
         rng.threshold(dropout, "dropout")
@@ -150,7 +155,7 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
 
 
 def layer_parts(residual="pre-norm", norms=2, qk_norm=None, post_norms=False, moe=None, mixer=None, attn_gate=False,
-                scalar_multipliers=0, gated=False, parts=()):
+                scalar_multipliers=0, gated=False, parts=(), mla=None, qk_norm_weightless=False, query_scales=False):
     """The parts of a layer of these forms (estimate's keywords of the same names), in the order they enter what
     the layer keeps: its residual stream and norms, its attention (unless a mixer holds its place), its kept mixer,
     its MLP (dense or `moe`), its float scalars, then `parts`."""
@@ -161,9 +166,14 @@ def layer_parts(residual="pre-norm", norms=2, qk_norm=None, post_norms=False, mo
         raise ValueError(f"qk_norm={qk_norm!r}, attn_gate={attn_gate!r} with mixer {mixer.name!r}: a layer whose mixer "
                          "holds attention's place has no q/k norms or output gate, and per-head q/k norms or a gate on "
                          "attention beside a mixer are not modelled")
+    if mla is not None and (qk_norm or attn_gate or mixer is not None or qk_norm_weightless or query_scales):
+        raise ValueError("mla: latent attention with q/k norms, query scales, an output gate or a mixer is not "
+                         "modelled")
     out = [Residual(residual, norms, bool(post_norms))]
-    if mixer is None or mixer.attention:
-        out.append(Attention(qk_norm or None, bool(attn_gate)))
+    if mla is not None:
+        out.append(mla)
+    elif mixer is None or mixer.attention:
+        out.append(Attention(qk_norm or None, bool(attn_gate), bool(qk_norm_weightless), bool(query_scales)))
     if mixer is not None:
         out.append(mixer)
     out.append(moe if moe is not None else DenseMLP(gated))

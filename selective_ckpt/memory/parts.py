@@ -97,10 +97,14 @@ class Attention:
     are rebuilt from them under "selective", so q/k/v keeps v alone), "projection" (over the whole q_proj / k_proj
     output: a statistic per token), "rotated" (per head after RoPE: the norms' inputs are the rotated q, k, in the
     residual stream's dtype under autocast, their outputs rebuilt). `gate` (Qwen3-Next): o_proj reads o times
-    sigmoid of a second half of q_proj, which the q norm's input then holds too; the product is rebuilt."""
+    sigmoid of a second half of q_proj, which the q norm's input then holds too; the product is rebuilt.
+    `weightless` rotated norms keep a row of ones each instead of a weight; `query_scales` keep one fp32 scale per
+    position."""
 
     qk_norm: object = None
     gate: bool = False
+    weightless: bool = False  # rotated q/k norms without a weight (Llama 4): q, k rotated in their own dtype
+    query_scales: bool = False  # q times a float32 scale per position (Llama 4's attention temperature)
 
     def keep(self, kept, s):
         if s.recompute == "full":
@@ -126,11 +130,15 @@ class Attention:
         if self.qk_norm == "rotated":
             # RoPE multiplies q, k by tables of the residual stream's dtype: under autocast the rotated q, k (the
             # norms' inputs, and "none"'s outputs) are fp32, v stays in `dtype`
-            eq = max(s.e, s.er)
+            eq = s.e if self.weightless else max(s.e, s.er)
             kept["qkv"] = t * ((heads + kv) * d * eq + kv * d * s.e)
             kept["qk_norm_stats"] = t * (heads + kv) * s.acc
             if s.recompute == "none":
                 kept["qk_norm_out"] = t * (heads + kv) * d * eq
+            if self.weightless:
+                kept["qk_norm_ones"] = 2 * d * s.e
+        if self.query_scales:
+            kept["query_scales"] = s.seq_len * 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,12 +41,16 @@ class LayerShape:
     moe: object = None  # memory.MoE of a sparse mixture-of-experts MLP, or None
     mixer: object = None  # memory.Mixer: a token mixer kept as transformers' own instead of attention, or None
     attn_gate: bool = False  # attention's output gated by sigmoid of a second half of q_proj (Qwen3-Next)
+    mla: object = None  # memory.MLA: multi-head latent attention (DeepSeek-V3), or None
+    qk_norm_weightless: bool = False  # rotated q/k norms without a weight, q and k rotated in their dtype (Llama 4)
+    query_scales: bool = False  # q times a float32 scale per position (Llama 4's attention temperature)
     parts: tuple = ()  # the layer's other parts (memory/parts.py), each entering what it keeps (keep(kept, sizes))
 
     def kept_kwargs(self):
         return {"residual": self.residual, "norms": self.norms, "qk_norm": self.qk_norm, "norm_stats": self.norm_stats,
                 "scalar_multipliers": self.scalar_multipliers, "post_norms": self.post_norms,
-                "moe": self.moe, "mixer": self.mixer, "attn_gate": self.attn_gate, "parts": self.parts}
+                "moe": self.moe, "mixer": self.mixer, "attn_gate": self.attn_gate, "mla": self.mla,
+                "qk_norm_weightless": self.qk_norm_weightless, "query_scales": self.query_scales, "parts": self.parts}
 
     def layer_parts(self):
         """The layer's parts (memory/parts.py) whose kept bytes `estimate` sums: those of its forms, then `parts`."""

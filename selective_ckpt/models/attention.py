@@ -40,6 +40,7 @@ from .. import compat, rng
 from ..keeping import layer_tiles, pipeline
 from ..ops.attention import attention
 from ..storages import is_fake, storage_bytes, storage_id
+from . import chunked_attention
 from .errors import ConversionError
 from .patching import PATCHED
 
@@ -129,13 +130,9 @@ def _allowed(mask, name):
     return allowed
 
 
-def describe_mask(mask, batch, seq, window, name, heads=1):
-    """(key_padding_mask [B, S] bool or None, cu_seqlens int32 or None) reproducing a causal 4-D mask.
-
-    Rows with nothing to attend (padded queries) may hold anything: their outputs feed nothing real.
-    A mask of the wrong shape or type is a ConversionError; a valid one that is neither causal + key
-    padding nor causal packed documents raises Inexpressible (a ConversionError).
-    """
+def allowed_mask(mask, batch, seq, name, heads=1):
+    """[B, S, S] bool (True = attend) of a [B or 1, 1 or H, S, S] mask the same for every head; ConversionError for
+    another shape or type, Inexpressible for one that differs between heads."""
     if (mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads)
             or tuple(mask.shape[-2:]) != (seq, seq)):
         raise ConversionError(f"{name}: attention_mask of shape {list(mask.shape)} is not [B, 1, S, S] for B={batch}, "
@@ -144,7 +141,17 @@ def describe_mask(mask, batch, seq, window, name, heads=1):
     if not bool((allowed == allowed[:, :1]).all()):
         raise Inexpressible(f"{name}: attention_mask differs between heads; only causal + key padding or packed "
                             "documents are supported")
-    allowed = allowed[:, 0]
+    return allowed[:, 0]
+
+
+def describe_mask(mask, batch, seq, window, name, heads=1):
+    """(key_padding_mask [B, S] bool or None, cu_seqlens int32 or None) reproducing a causal 4-D mask.
+
+    Rows with nothing to attend (padded queries) may hold anything: their outputs feed nothing real.
+    A mask of the wrong shape or type is a ConversionError; a valid one that is neither causal + key
+    padding nor causal packed documents raises Inexpressible (a ConversionError).
+    """
+    allowed = allowed_mask(mask, batch, seq, name, heads)
     # every unpadded query attends itself; a copy, so that the [B, S] result does not hold the [B, S, S] mask
     pad = allowed.diagonal(dim1=-2, dim2=-1).contiguous()
     idx = torch.arange(seq, device=mask.device)
@@ -170,14 +177,16 @@ def describe_mask(mask, batch, seq, window, name, heads=1):
     return (pad if has_pad else None), cu
 
 
-_LAST = [None]  # (weakref to mask, (version, B, S, window, heads), result): a model hands every layer one mask
+# describe function -> (weakref to mask, (version, B, S, window, heads), result): a model hands every layer of a
+# kind one mask (Llama 4's chunked and full layers two, each described by its own function)
+_LAST = {}
 
 
 def _forget(ref):
     """The cached description dies with its mask: nothing of one forward is held into the next."""
-    last = _LAST[0]
-    if last is not None and last[0] is ref:
-        _LAST[0] = None
+    for describe, last in list(_LAST.items()):
+        if last[0] is ref:
+            del _LAST[describe]
 
 
 def _traced_describe(mask, batch, seq, window, name, heads):
@@ -205,20 +214,21 @@ def _traced_describe(mask, batch, seq, window, name, heads):
     return pad, None
 
 
-def _cached_describe(mask, batch, seq, window, name, heads):
-    """describe_mask, once per mask for all layers; an Inexpressible mask stays so for every layer."""
+def _cached_describe(mask, batch, seq, window, name, heads, describe=describe_mask):
+    """describe(mask, batch, seq, window, name, heads) (describe_mask, or a chunked layer's segments with the chunk
+    as its window), once per mask for all layers; an Inexpressible mask stays so for every layer."""
     if torch.compiler.is_compiling():
         return _traced_describe(mask, batch, seq, window, name, heads)
     if mask.is_inference():
-        return describe_mask(mask, batch, seq, window, name, heads)
-    last = _LAST[0]
+        return describe(mask, batch, seq, window, name, heads)
+    last = _LAST.get(describe)
     key = (mask._version, batch, seq, window, heads)
     if last is None or last[0]() is not mask or last[1] != key:
         try:
-            result = describe_mask(mask, batch, seq, window, name, heads)
+            result = describe(mask, batch, seq, window, name, heads)
         except Inexpressible as e:
             result = _Refused(str(e))  # the message only: a traceback would keep this forward's tensors
-        last = _LAST[0] = (weakref.ref(mask, _forget), key, result)
+        last = _LAST[describe] = (weakref.ref(mask, _forget), key, result)
     if isinstance(last[2], _Refused):
         raise Inexpressible(last[2].message)
     return last[2]
@@ -344,15 +354,15 @@ class _RowsAttendingNothing(torch.autograd.Function):
     the same way (the scores of these rows recomputed). Keeps q, k, v (the ones attention keeps) and the
     row positions.
 
-    q [B, H, S, D], k and v [B, Hkv, Sk, D], rows [B, P] positions (the first `valid` of each row are real,
-    the rest filler whose output is discarded). Returns [B, H, P, D]."""
+    q [B, H, S, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], rows [B, P] positions (the first `valid` of each row
+    are real, the rest filler whose output is discarded). Returns [B, H, P, Dv]."""
 
     @staticmethod
     def forward(ctx, q, k, v, rows, valid, scaling, softcap):
-        B, H, _, D = q.shape
-        Hkv, Sk = k.shape[1], k.shape[2]
-        mean = (v.float().sum(dim=2) * _uniform(Sk, v.dtype)).to(v.dtype)  # [B, Hkv, D]
-        out = mean.repeat_interleave(H // Hkv, dim=1)[:, :, None, :].expand(B, H, rows.shape[1], D).contiguous()
+        B, H = q.shape[:2]
+        Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        mean = (v.float().sum(dim=2) * _uniform(Sk, v.dtype)).to(v.dtype)  # [B, Hkv, Dv]
+        out = mean.repeat_interleave(H // Hkv, dim=1)[:, :, None, :].expand(B, H, rows.shape[1], Dv).contiguous()
         ctx.scaling, ctx.softcap = scaling, softcap
         ctx.save_for_backward(q, k, v, rows, valid)
         return out
@@ -361,10 +371,10 @@ class _RowsAttendingNothing(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, rows, valid = ctx.saved_tensors
         B, H, _, D = q.shape
-        Hkv, Sk = k.shape[1], k.shape[2]
+        Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
         G, P = H // Hkv, rows.shape[1]
         p = 1.0 / Sk  # the softmax output, float32 as eager's softmax computes it
-        dout = (dout.float() * valid[:, None, :, None]).reshape(B, Hkv, G * P, D)  # head h = kv head h // G
+        dout = (dout.float() * valid[:, None, :, None]).reshape(B, Hkv, G * P, Dv)  # head h = kv head h // G
         kf, vf = k.float(), v.float()
         dv = (dout.sum(dim=2) * _uniform(Sk, v.dtype))[:, :, None, :]
         dp = dout @ vf.transpose(-1, -2)  # [B, Hkv, G*P, Sk]
@@ -378,7 +388,7 @@ class _RowsAttendingNothing(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dq.scatter_add_(2, index, (ds @ kf).reshape(B, H, P, D))
         dk = ds.transpose(-1, -2) @ q_rows
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.expand(B, Hkv, Sk, D).to(v.dtype), None, None, None, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.expand(B, Hkv, Sk, Dv).to(v.dtype), None, None, None, None)
 
 
 def rows_attending_nothing(pad, window=None):
@@ -408,16 +418,22 @@ def _as_eager_on_rows_attending_nothing(o, query, key, value, dead, scaling, sof
     return o
 
 
-def _own_buffers(query, key, value):
+# A keyword an attention module's forward passes when its v is a view into a buffer the layer keeps anyway (MLA's
+# kv_b_proj output, from which k is rebuilt): attention keeps the view, never a copy. Taken out of the call's kwargs.
+VALUE_BUFFER_KEPT = "selective_ckpt_value_buffer_kept"
+
+
+def _own_buffers(query, key, value, value_buffer_kept=False):
     """q, k, v as attention keeps them: one that is a view into a larger buffer none of the others keeps
     alive (GPT-NeoX's packed query_key_value output, of which RoPE made new q and k and only v is still a
-    view) is copied, so the buffer is freed; views into one buffer the three share (GPT-2's c_attn) stay."""
+    view) is copied, so the buffer is freed; views into one buffer the three share (GPT-2's c_attn) stay, as does
+    a v whose buffer the layer keeps for another reason (`value_buffer_kept`)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # compiled: the partitioner picks what is kept
         return query, key, value
     out = [query, key, value]
     storages = [(storage_id(t), storage_bytes(t)) for t in out]
     for i, t in enumerate(out):
-        shared = any(storages[j][0] == storages[i][0] for j in range(3) if j != i)
+        shared = any(storages[j][0] == storages[i][0] for j in range(3) if j != i) or (i == 2 and value_buffer_kept)
         if not shared and storages[i][1] > t.numel() * t.element_size():
             out[i] = t.contiguous() if not t.is_contiguous() else t.clone()
     return tuple(out)
@@ -430,6 +446,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     name = f"{type(module).__name__} (selective_ckpt attention)"
     if kwargs.get("position_bias") is not None:
         raise ConversionError(f"{name}: position_bias is not supported by selective_ckpt.attention")
+    value_buffer_kept = kwargs.pop(VALUE_BUFFER_KEPT, False)
     tile = layer_tiles.current()
     if tile is not None:
         return _tile_attention(module, name, tile, query, key, value, attention_mask, dropout, scaling, is_causal,
@@ -447,6 +464,11 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
         return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if not causal:
         raise ConversionError(f"{name}: only causal self-attention is supported")
+    chunk = chunked_attention.chunk_size(module)
+    if chunk is not None:
+        chunked = _chunked(module, name, chunk, query, key, value, attention_mask, dropout, scaling, kwargs)
+        if chunked is not None:
+            return chunked
     window = kwargs.get("sliding_window") or None
     pad = cu = None
     # a fake mask (selective_ckpt.fit's simulated step, whose batch has no padding) has no values to describe;
@@ -467,7 +489,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
             raise ConversionError(f"{name}: cu_seq_lens_q cannot be combined with padding")
         cu = cu_kw
     dtype = _compute_dtype(query)
-    query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype))
+    query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype), value_buffer_kept)
     seed = rng.draw_seed_tensor(query.device) if dropout > 0 else None
     sinks = _sinks(kwargs)
     o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu,
@@ -480,6 +502,47 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
         if bool(dead.any()):
             o = _as_eager_on_rows_attending_nothing(o, query, key, value, dead, scaling, kwargs.get("softcap"))
     return o.transpose(1, 2), None
+
+
+def _chunk_segments(mask, batch, seq, chunk, name, heads):
+    """chunked_attention.segments of a mask (the rows' segments as cu_seqlens, or None); Inexpressible for a mask
+    of another pattern."""
+    try:
+        return chunked_attention.segments(allowed_mask(mask, batch, seq, name, heads), batch, seq, chunk, name)
+    except chunked_attention.NotChunked as e:
+        raise Inexpressible(str(e)) from None
+
+
+def _chunked(module, name, chunk, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """A chunked-attention layer's call (models/chunked_attention.py): (o, None), or None where it is plain causal
+    attention, which the caller runs as an unchunked layer's (a fake mask: the same bytes kept)."""
+    if dropout > 0:
+        raise ValueError(f"{name}: attention dropout ({dropout}) on a chunked attention layer is not supported; set "
+                         "attention_dropout=0")
+    B, H, S, _ = query.shape
+    documents = _cu_seqlens(kwargs, name)
+    if torch.compiler.is_compiling():
+        _warn_once("chunked-compile", f"{name}: under torch.compile a chunked attention layer runs transformers' SDPA "
+                                      "attention, keeping what SDPA keeps (warned once)")
+        return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, None, **kwargs)
+    if attention_mask is not None and is_fake(attention_mask):
+        return None
+    if attention_mask is None:
+        cu = chunked_attention.segments(None, B, S, chunk, name, documents, query.device)
+    else:
+        try:
+            cu = _cached_describe(attention_mask, B, S, chunk, name, H, describe=_chunk_segments)
+        except Inexpressible as e:
+            _warn_once("mask", f"{e}: such calls run transformers' SDPA attention with the mask as given, keeping "
+                               "what SDPA keeps (warned once)")
+            return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, None, **kwargs)
+        if documents is not None and (cu is None or not bool(torch.isin(documents, cu).all())):
+            raise ConversionError(f"{name}: cu_seq_lens_q disagrees with the documents of the attention mask")
+    if cu is None:
+        return None
+    dtype = _compute_dtype(query)
+    query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype))
+    return chunked_attention.attend(query, key, value, cu, scaling), None
 
 
 def _documents_before(cu, end):
@@ -497,6 +560,10 @@ def _tile_attention(module, name, tile, query, key, value, attention_mask, dropo
                          "without layer_tiles for calls that ask for them")
     if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
         raise ValueError(f"{name}: layer_tiles needs causal self-attention")
+    if chunked_attention.chunk_size(module) is not None:
+        raise ValueError(f"{name}: a chunked attention layer (attention_chunk_size="
+                         f"{chunked_attention.chunk_size(module)}) cannot run in query tiles (layer_tiles); use a "
+                         "policy without layer_tiles for this model")
     B, H, Sq, _ = query.shape
     if Sq != tile.end - tile.start or key.shape[2] != Sq:
         raise ValueError(f"{name}: layer_tiles needs self-attention over the tile's own tokens (Sq = Sk = "

@@ -93,7 +93,7 @@ class AttentionPart:
         fields = {"sliding_window": getattr(module, "sliding_window", None) or None}
         if head_dim * heads != h:
             fields["head_dim"] = head_dim
-        if self.q_norm(module) is not None and len(spec.qk_norm_children) == 2:
+        if self.q_norm(module) is not None and len(spec.qk_norm_children) < 3:
             fields["qk_norm"] = spec.qk_norm
         if spec.attention_gate:
             fields["attn_gate"] = True

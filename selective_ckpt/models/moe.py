@@ -173,25 +173,31 @@ def _token_sums(rows, index, dtype):
 
 class RoutedExperts(torch.autograd.Function):
     """y[t] = sum over t's top-k experts e of w * down_e(act(gate_e(x_t)) * up_e(x_t)); keeps gate and up.
+    With `scale_input` the weight scales the expert's input instead (Llama 4's router):
+    y[t] = sum_e down_e(act(gate_e(w x_t)) * up_e(w x_t)); the scaled rows are rebuilt from x and w in backward.
 
     The routed rows run sorted by expert through grouped matmuls whose group ends stay on the device, so
     neither forward nor backward reads the routing on the host."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, weights, index, activation, reduce, dtype):
+    def forward(ctx, x, gate_up, down, weights, index, activation, reduce, dtype, scale_input=False):
         k = index.shape[1]
         inter = down.shape[2]
         order, ends = _routes(index, gate_up.shape[0])
-        gu = grouped_mm_op(x[order // k].to(dtype), gate_up.to(dtype).transpose(1, 2), ends)
+        w = weights.reshape(-1)[order, None]
+        routed = x[order // k] * w if scale_input else x[order // k]
+        gu = grouped_mm_op(routed.to(dtype), gate_up.to(dtype).transpose(1, 2), ends)
         p = gated_product_op(gu[:, :inter], gu[:, inter:], activation)
-        out = grouped_mm_op(p, down.to(dtype).transpose(1, 2), ends) * weights.reshape(-1)[order, None]
+        out = grouped_mm_op(p, down.to(dtype).transpose(1, 2), ends)
+        if not scale_input:
+            out = out * w
         rows = torch.empty_like(out)
         rows[order] = out
         if reduce == "sum":
             y = rows.view(index.shape[0], k, -1).sum(dim=1).to(x.dtype)
         else:
             y = _token_sums(rows, index, x.dtype)
-        ctx.activation, ctx.dtype = activation, dtype
+        ctx.activation, ctx.dtype, ctx.scale_input = activation, dtype, scale_input
         pipeline.tag(gu, "mlp")  # each routed row's gate and up: the MLP's matmul outputs (keeping.policy)
         ctx.save_for_backward(x, gate_up, down, weights, index, gu)
         return y
@@ -213,24 +219,33 @@ class RoutedExperts(torch.autograd.Function):
         g = dy.contiguous()[tok].to(promoted)
         q = grouped_mm_op(g.to(dtype), down.to(dtype), ends)  # dy_t @ W_down: the down output's gradient, unweighted
         dx = dgate_up = ddown = dweights = None
-        if need_w:
+        scaled = ctx.scale_input
+        if need_w and not scaled:
             dw = torch.empty(order.shape, dtype=torch.float32, device=x.device)
             dw[order] = (q.float() * p.float()).sum(dim=-1)
             dweights = dw.to(weights.dtype).view(weights.shape)
         if need_down:
-            ddown = grouped_mm_op((g * w).to(dtype).t(), p, ends).to(down.dtype)
-        if need_x or need_gu:
-            dgate = (q * w).to(dtype)
+            ddown = grouped_mm_op((g if scaled else g * w).to(dtype).t(), p, ends).to(down.dtype)
+        if need_x or need_gu or (need_w and scaled):
+            dgate = q.to(dtype) if scaled else (q * w).to(dtype)
             dup = gated_product_backward_op(dgate, gate, up, act)
             dpart = torch.cat([dgate, dup], dim=-1)
             if need_gu:
-                dgate_up = grouped_mm_op(dpart.t(), x[tok].to(dtype), ends).to(gate_up.dtype)
-            if need_x:
+                routed = x[tok] * w if scaled else x[tok]  # the experts' input rows, rebuilt
+                dgate_up = grouped_mm_op(dpart.t(), routed.to(dtype), ends).to(gate_up.dtype)
+            if need_x or (need_w and scaled):
                 drows = grouped_mm_op(dpart, gate_up.to(dtype), ends)
-                flat = torch.empty_like(drows)
-                flat[order] = drows
-                dx = _token_sums(flat, index, x.dtype)
-        return dx, dgate_up, ddown, dweights, None, None, None, None
+                if need_w and scaled:  # the weight multiplies the input row: dL/dw_r = drows_r . x_t
+                    acc = torch.promote_types(drows.dtype, torch.float32)  # float32, or float64 for float64
+                    dw = torch.empty(order.shape, dtype=acc, device=x.device)
+                    dw[order] = (drows.to(acc) * x[tok].to(acc)).sum(dim=-1)
+                    dweights = dw.to(weights.dtype).view(weights.shape)
+                if need_x:
+                    drows = drows * w if scaled else drows
+                    flat = torch.empty_like(drows)
+                    flat[order] = drows
+                    dx = _token_sums(flat, index, x.dtype)
+        return dx, dgate_up, ddown, dweights, None, None, None, None, None
 
 
 _routing = threading.local()
@@ -287,7 +302,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     kernel = kernel_activation(self.act_fn)
     with torch.autocast(device_type, enabled=False):
         return RoutedExperts.apply(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index,
-                                   kernel, reduce, dtype)
+                                   kernel, reduce, dtype, False)
 
 
 # the layout transformers' experts modules declare by flags, as experts_forward reproduces it

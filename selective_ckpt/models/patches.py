@@ -88,6 +88,19 @@ def _weighted_rms_norm(x, ones, rstd, weight):
     return weight * rms_norm_apply(x, ones, rstd, 0.0)
 
 
+def weightless_rms_norm_forward(self, x, kept="qkv"):
+    """T(x * rstd), an RMSNorm without a weight (Llama 4's q/k norm: x.float() normalised, rounded to x's dtype
+    once): the kernel with a row of ones as its weight (a product by 1, exact), which it keeps with x and the fp32
+    rstd; the output is rebuilt from them."""
+    norm_input(x, kept)
+    eps = float(self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps)
+    ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    if pipeline.compiled_rebuilds():
+        return rebuilt_in_backward(lambda x, w: rms_norm_fwd(x, w, eps, 0.0)[0], x, ones)
+    n, rstd = rms_norm_fwd(x, ones, eps, 0.0)
+    return pipeline.discardable(n, rms_norm_apply, x, ones, rstd, 0.0)
+
+
 # --- A norm in a rounding order the kernels do not have (OLMo2's T(w * (x * rstd)), scaled in float32 and
 # rounded once): the module's own forward, in an autograd node that keeps x only and runs that forward again
 # under autograd in backward (the statistics are recomputed with it); the output is rebuilt from x.
@@ -201,7 +214,8 @@ def mlp_tiles(module):
 
 def _gate_up_mlp(self, x):
     gate, up = self.gate_proj(x), self.up_proj(x)
-    return self.down_proj(activate(self.act_fn, gate, up))
+    act = self.act_fn if "act_fn" in self._modules else self.activation_fn  # Llama 4 names it activation_fn
+    return self.down_proj(activate(act, gate, up))
 
 
 def gate_up_mlp_forward(self, x):

@@ -21,6 +21,7 @@ ROLES = ("norm", "attention", "mlp", "dropout", "mixer", "own")
 # is chunked into gate and up (Phi-3)
 MLP_LAYOUTS = ("gate_up", "fc", "packed_gate_up")
 GATE_UP_CHILDREN = ("gate_proj", "up_proj", "down_proj", "act_fn")  # what patches.gate_up_mlp_forward reads
+GATE_UP_ACTIVATION_FN_CHILDREN = GATE_UP_CHILDREN[:3] + ("activation_fn",)  # the same, as Llama 4 names them
 PACKED_GATE_UP_CHILDREN = ("gate_up_proj", "down_proj", "activation_fn")  # patches.packed_gate_up_mlp_forward
 # Residual forms the driver converts. Patching leaves the layer's own forward in place, so any form
 # would compute right; the memory estimate (memory/estimate.py) counts what each keeps:
@@ -55,22 +56,22 @@ class NormSpec:
         return self.rounding == "llama"
 
 
-# the activation child of each layout whose children are fixed (an "fc" MLP names its own: its second child)
-_LAYOUT_ACTIVATION = {"gate_up": GATE_UP_CHILDREN[3], "packed_gate_up": PACKED_GATE_UP_CHILDREN[2]}
+# where each layout's children name the activation
+_LAYOUT_ACTIVATION = {"gate_up": 3, "packed_gate_up": 2, "fc": 1}
 
 
 @dataclasses.dataclass(frozen=True)
 class MLPSpec:
     cls: str  # class name
     layout: str  # one of MLP_LAYOUTS
-    children: tuple  # gate_up: GATE_UP_CHILDREN; fc: (fc_in, activation, fc_out[, dropout])
+    children: tuple  # gate_up: GATE_UP_CHILDREN (or ..._ACTIVATION_FN_); fc: (fc_in, activation, fc_out[, dropout])
     forward: object = None  # the MLP's patched forward (self, x); None: the layout's own
     activation: str = None  # the activation child; None: the layout's (act_fn, activation_fn, an fc MLP's second)
 
     def __post_init__(self):
-        if self.activation is None and self.layout in MLP_LAYOUTS:
-            default = _LAYOUT_ACTIVATION.get(self.layout) or (self.children[1] if len(self.children) > 1 else None)
-            object.__setattr__(self, "activation", default)
+        index = _LAYOUT_ACTIVATION.get(self.layout)
+        if self.activation is None and index is not None and index < len(self.children):
+            object.__setattr__(self, "activation", self.children[index])
 
     @property
     def gated(self):
@@ -136,8 +137,10 @@ class ModelSpec:
             raise ValueError(f"model spec {self.model_types}: a child of role 'mixer' and ModelSpec.mixer go together")
         if any(role == "dropout" for _, role in self.children) and not self.dropout:
             raise ValueError(f"model spec {self.model_types}: a layer with dropout children needs dropout=True")
-        if self.mlp.layout == "gate_up" and tuple(self.mlp.children) != GATE_UP_CHILDREN:
-            raise ValueError(f"model spec {self.model_types}: a gate_up MLP has the children {GATE_UP_CHILDREN}")
+        if self.mlp.layout == "gate_up" and tuple(self.mlp.children) not in (GATE_UP_CHILDREN,
+                                                                             GATE_UP_ACTIVATION_FN_CHILDREN):
+            raise ValueError(f"model spec {self.model_types}: a gate_up MLP has the children {GATE_UP_CHILDREN} "
+                             f"or {GATE_UP_ACTIVATION_FN_CHILDREN}")
         if self.mlp.layout == "packed_gate_up" and tuple(self.mlp.children) != PACKED_GATE_UP_CHILDREN:
             raise ValueError(f"model spec {self.model_types}: a packed_gate_up MLP has the children "
                              f"{PACKED_GATE_UP_CHILDREN}")
@@ -148,9 +151,10 @@ class ModelSpec:
         if unknown:
             raise ValueError(f"model spec {self.model_types}: optional attention children {unknown} are not among "
                              f"its attention children {self.attention_children} or q/k norms {self.qk_norm_children}")
-        if len(self.qk_norm_children) not in (2, 3) or (len(self.qk_norm_children) == 3 and self.norm.keeps_stats):
-            raise ValueError(f"model spec {self.model_types}: q/k norm children {self.qk_norm_children}: a q and a k "
-                             "norm, and a v norm only where the norms keep no statistics (rounding 'float32_scale')")
+        if len(self.qk_norm_children) not in (1, 2, 3) or (len(self.qk_norm_children) == 3 and self.norm.keeps_stats):
+            raise ValueError(f"model spec {self.model_types}: q/k norm children {self.qk_norm_children}: one norm for "
+                             "q and k or one each, and a v norm only where the norms keep no statistics (rounding "
+                             "'float32_scale')")
         if self.qk_norm not in QK_NORMS or self.norm.rounding not in NORM_ROUNDINGS:
             raise ValueError(f"model spec {self.model_types}: qk_norm {self.qk_norm!r} (one of {QK_NORMS}), norm "
                              f"rounding {self.norm.rounding!r} (one of {NORM_ROUNDINGS})")
@@ -187,5 +191,5 @@ def llama_shaped(model_type, prefix, **overrides):
     return ModelSpec(**fields)
 
 
-__all__ = ["GATE_UP_CHILDREN", "MLP_LAYOUTS", "PACKED_GATE_UP_CHILDREN", "QK_NORMS", "RESIDUALS", "ROLES", "MLPSpec",
-           "MixerSpec", "ModelSpec", "NormSpec", "llama_shaped"]
+__all__ = ["GATE_UP_ACTIVATION_FN_CHILDREN", "GATE_UP_CHILDREN", "MLP_LAYOUTS", "PACKED_GATE_UP_CHILDREN", "QK_NORMS",
+           "RESIDUALS", "ROLES", "MLPSpec", "MixerSpec", "ModelSpec", "NormSpec", "llama_shaped"]

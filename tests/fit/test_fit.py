@@ -46,6 +46,12 @@ def _config(family):
     # a sliding window makes transformers pass SDPA a mask, which on CPU takes the math kernel (S x S
     # probabilities kept); the fit model counts the fused kernels' saved set, as on GPU
     extra = {"sliding_window": None} if "sliding_window" in family.tiny else {}
+    if "attention_chunk_size" in family.tiny:  # chunked layers (Llama 4) take such a mask as well
+        extra["attention_chunk_size"] = None
+    if family.name == "llama4_text":
+        # the fit extends its 2-layer step by copies of the second layer: Llama 4's dense and MoE layers alternating
+        # are not modelled (transformers' own predicted at 1.065 of the measured peak), so every layer is MoE here
+        extra["interleave_moe_layer_step"] = 1
     if extra and family.name in ("olmo3", "exaone4", "ministral"):  # their layer_types follow the window unless given
         extra["layer_types"] = ["full_attention"] * LAYERS
     # SDPA refuses soft-capped scores: transformers' side runs SDPA here, which keeps what the capped

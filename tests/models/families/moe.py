@@ -26,6 +26,13 @@ QWEN3_MOE = {**_BASE, "intermediate_size": 80, "moe_intermediate_size": 32, "num
 GLM4_MOE = {**_BASE, "head_dim": 16, "intermediate_size": 80, "moe_intermediate_size": 32, "n_routed_experts": 6,
             "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 2,
             "topk_group": 1, "routed_scaling_factor": 2.5}
+# DeepSeek-V3: multi-head latent attention with q and kv low ranks (40, 24), q and k of 16 + 8 rotary dims, v of 12
+# (odd against the query's 24), interleaved RoPE (its default); GLM-4.5's router and shared experts; every layer
+# sparse, the dense layers (first_k_dense_replace) and a q_proj without low rank as further layer kinds
+DEEPSEEK_V3 = {**_BASE, "num_key_value_heads": 4, "intermediate_size": 80, "moe_intermediate_size": 32,
+               "n_routed_experts": 6, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 0,
+               "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "q_lora_rank": 40, "kv_lora_rank": 24,
+               "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12}
 
 # gpt-oss's own layer pattern (sliding, then full), a window shorter than the sequence; its default yarn RoPE;
 # q/k/v/o biases and the attention sinks as gpt-oss has them. The shared window check compares bits past the
@@ -52,6 +59,15 @@ FAMILIES = [
            packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
            variants=(("qk-norms", dict(use_qk_norm=True)),), layer_kinds=_WIDE_QUERY,
            skip={"aux_loss": "Glm4MoeForCausalLM computes no load-balancing loss"}),
+    # LoRA on the latent attention's projections (PEFT takes the MLP names for the experts' fused parameters)
+    Family("deepseek_v3", transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, DEEPSEEK_V3,
+           packed=False, lora_targets=("q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+           heads=(transformers.DeepseekV3ForSequenceClassification, transformers.DeepseekV3ForTokenClassification),
+           variants=(("q_proj", dict(q_lora_rank=None)), ("half-split-rope", dict(rope_interleave=False)),
+                     ("dense-layer", dict(first_k_dense_replace=1))),
+           layer_kinds=(("", {}), ("dense", {"first_k_dense_replace": 2}), ("q_proj", {"q_lora_rank": None})),
+           dropout=dict(attention_dropout=0.1),
+           skip={"aux_loss": "DeepseekV3ForCausalLM computes no load-balancing loss"}),
     # the clamped SwiGLU's limit inside the tiny model's range (its default 7 is never reached there)
     Family("gpt_oss", transformers.GptOssConfig, transformers.GptOssForCausalLM, GPT_OSS,
            packed=False, lora_targets=("q_proj", "v_proj", "o_proj"),
