@@ -5,7 +5,7 @@ layers whose MLP child is `feed_forward`, with:
   in float32 by transformers' own complex tables (its attention forward runs as it is); on RoPE layers with
   use_qk_norm one weightless RMSNorm (Llama4TextWeightlessRMSNorm, alias Llama4TextL2Norm) normalises the rotated q
   and k per head: it keeps its input and fp32 statistics (and a row of ones, its kernel weight), attention reads its
-  output, rebuilt (hf.ModelSpec qk_norm="rotated");
+  output, rebuilt (spec.ModelSpec qk_norm="rotated");
 - attention temperature tuning on NoPE layers (attn_temperature_tuning: q times 1 + attn_scale *
   log1p(floor((position + 1) / floor_scale)) per position), computed by transformers' forward as it is: attention
   keeps the scaled q instead of q (the same bytes) and the product keeps the float32 scales (seq_len * 4 bytes);
