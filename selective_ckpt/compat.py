@@ -50,6 +50,18 @@ def unsupported_transformers():
 
 # --- transformers: the attention and experts implementation a config names
 
+def global_config_value(config, name, default=None):
+    """config.`name` as one value for the whole model, or `default` where there is none: transformers' per-layer
+    configs (Gemma 4's full layers with num_global_key_value_heads) refuse a global read of an attribute that
+    varies by layer (read since 5.25; callers then read the layer's own modules)."""
+    try:
+        return getattr(config, name, default)
+    except Exception as err:
+        if type(err).__name__ == "AmbiguousGlobalPerLayerAttributeError":
+            return default
+        raise
+
+
 def attention_implementation(config):
     """The attention implementation `config` runs now (a name in transformers' attention registry), or None."""
     # transformers 5.17-5.25: PretrainedConfig._attn_implementation (property over _internal); gone: None

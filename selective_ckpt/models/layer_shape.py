@@ -3,6 +3,7 @@ from the model's config, the layer's form from the model spec (residual form, no
 each child keeps from its part (models/layer_parts.py: norms, attention, MLP or MoE block, kept mixer). A family's
 own shape reader adds only what its config decides per layer."""
 
+from .. import compat
 from .layer_parts import part_of
 
 
@@ -12,7 +13,7 @@ def config_shape(layer, config, spec):
     holds no attention), the residual form from the spec, and each child's part's fields."""
     h, heads = config.hidden_size, config.num_attention_heads
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    kv = compat.global_config_value(config, "num_key_value_heads") or heads  # per layer: the shape reader's
     fields = dict(hidden_dim=h, num_heads=heads, num_kv_heads=kv, ffn_dim=ffn, mlp_ratio=ffn / h, sliding_window=None)
     if spec.residual == "parallel":
         fields.update(residual="parallel", norms=spec.count("norm"))

@@ -99,3 +99,24 @@ def test_an_image_in_the_input_within_the_rule():
     ours.zero_grad()
     ours(input_ids=ids, pixel_values=pixels, image_position_ids=positions, labels=ids).loss.backward()
     assert ours.model.vision_tower.patch_embedder.input_proj.weight.grad.abs().sum() > 0
+
+
+def test_full_layers_with_their_own_kv_heads_are_estimated():
+    """A config whose full layers have their own kv heads (num_global_key_value_heads, as Gemma 4's 31B and 26B-A4B
+    have) is a per-layer config in transformers, which refuses a global num_key_value_heads: the estimate reads each
+    layer's own heads. Full layers with k_eq_v keep k_proj's output once (v is its v-normed copy, rebuilt); the
+    estimate counts a separate v projection output, t * Hkv * D bytes more than the layer keeps (on the safe side)."""
+    from selective_ckpt.models.configuration import layer_estimate
+    from tests.models.hf_checks import kept_bytes_per_layer
+
+    kw = {"attention_k_eq_v": True, "num_global_key_value_heads": 1, "global_head_dim": 16}
+    ids, _ = batch(b=2, s=24, pad_rows=False)
+
+    def layers(n):
+        torch.manual_seed(0)
+        return convert(TEXT.build(num_hidden_layers=n, layer_types=("full_attention",), **kw)().train())
+
+    layer = recomputable_layers(layers(1))[0]
+    assert layer.self_attn.k_proj.out_features == 16  # one kv head of the full layers' head dim
+    measured = kept_bytes_per_layer(layers, {"input_ids": ids})
+    assert layer_estimate(layer, ids.shape[1], ids.shape[0]) - measured == 2 * 24 * 1 * 16 * 4
