@@ -11,6 +11,5 @@ from .planner import LayerShape, Plan, plan
 from .units import as_dtype, format_bytes
 
 __all__ = ["MODES", "LoRA", "MLA", "Mixer", "MoE", "LayerShape", "LedgerReport", "Plan", "SavedEntry", "StorageTracker",
-           "as_dtype", "cpu_allocation_deltas", "cpu_peak_bytes", "estimate", "format_bytes", "forward_flops", "graph_saved_bytes",
-           "ledger",
-           "note_saved", "plan", "recompute_flops", "running_peak", "sac_context_fn"]
+           "as_dtype", "cpu_allocation_deltas", "cpu_peak_bytes", "estimate", "format_bytes", "forward_flops",
+           "graph_saved_bytes", "ledger", "note_saved", "plan", "recompute_flops", "running_peak", "sac_context_fn"]

@@ -9,6 +9,7 @@ import torch
 from .. import rng
 from ..keeping.policy import resolve, split_parts
 from ..validation import GATED_ACTIVATIONS, check_layer_shape, check_positive_int
+from .parts import Attention, DenseMLP, Residual, Scalars, Sizes
 from .units import as_dtype
 
 
@@ -24,7 +25,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
              dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
              norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, post_norms=False, moe=None, mixer=None,
-             attn_gate=False, mla=None, qk_norm_weightless=False, query_scales=False, **layer_kwargs):
+             attn_gate=False, mla=None, qk_norm_weightless=False, query_scales=False, parts=(), **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -96,10 +97,6 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     `attn_gate=True` (Qwen3-Next, Qwen3.5: q_proj emits q and a gate per head, o_proj reads o * sigmoid(gate)):
     with qk_norm=True the q norm's input is a view of the whole q_proj output, q and gate, so qk_norm_in counts
     H*D more; the gated product is rebuilt from o and the gate (kept under "none": H*D).
-    `qk_norm_weightless=True` (with qk_norm="rotated": Llama 4's norms without a weight, after a RoPE that rounds
-    the rotated q, k back to q's dtype) counts those in `dtype` and adds the row of D ones in `dtype` each of the
-    two norm calls keeps as its kernel weight. `query_scales=True` (Llama 4's NoPE layers'
-    attention temperature: q times a float32 scale per position) adds that scale, kept by the product: seq_len*4.
     `mixer` (memory.Mixer): the layer holds a token mixer kept as transformers' own (a Gated DeltaNet) instead
     of attention: no q/k/v, o or lse; the mixer's own saved bytes instead (its input, the first norm's output,
     is rebuilt under "selective" and kept under "none" as ln1_out). "full" and "attention-kept" keep x only.
@@ -107,7 +104,12 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     parts stay, plus the normed input times a number that q/k/v read (t*h*e; one cast each under autocast).
 
     `mla` (memory.MLA): the attention is multi-head latent attention (DeepSeek-V3): its q/k/v and o parts are
-    MLA.kept's (docs/kernels/mla.md), its two latent norms add their statistics.
+    MLA.kept's (docs/kernels/mla.md), its two latent norms add their statistics. `qk_norm_weightless` (Llama 4):
+    rotated q/k norms without a weight, q and k rotated in their own dtype, each norm keeping a row of ones;
+    `query_scales`: q times a float32 scale per position (Llama 4's attention temperature).
+
+    Each of these forms is a part of the layer (memory/parts.py, `layer_parts`): `parts` adds others, objects with
+    `keep(kept, sizes)` entering what they keep, after the layer's own.
     """
     check_residual(residual, norms)
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
@@ -133,96 +135,51 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     acc = 8 if dtype == torch.float64 else 4
     t = seq_len * batch
     h = hidden_dim
-    qw = num_heads * head_dim  # the query width: attention's output and o_proj's input (h unless head_dim is given)
-    if recompute == "full":
-        parts = {"x": t * h * er}
-    elif recompute == "attention-kept" and mixer is not None and not mixer.attention:  # no attention op: nothing cached
-        parts = {"x": t * h * er}
-    elif recompute == "attention-kept":  # the checkpoint's input and the cached outputs of attention's forward
-        parts = {"x": t * h * er, "o": t * (qw if mla is None else mla.heads * mla.value) * e,
-                 "lse": num_heads * t * acc}
-    else:
-        parts = {"x": t * h * er, "qkv": t * (qw + 2 * kv_heads * head_dim) * e, "o": t * qw * e, "x1": t * h * er}
-        if residual == "parallel":
-            del parts["x1"]
-        if moe is not None:
-            parts.update(moe.kept(t, em, e, recompute))
-        elif gated:
-            parts.update(gate_out=t * ffn * em, up_out=t * ffn * em)
-        else:
-            parts["fc1_out"] = t * ffn * em
-        parts["lse"] = num_heads * t * acc
-        if mixer is not None and mixer.attention:  # q/k/v read the normed input times a number: that product
-            parts["attn_in"] = (3 if er != e else 1) * t * h * e  # (autocast: each projection's own cast)
-        elif mixer is not None:
-            del parts["qkv"], parts["o"], parts["lse"]
-        if mixer is not None:
-            parts["mixer"] = mixer.kept(seq_len, batch, as_dtype(residual_dtype) if residual_dtype else dtype, dtype)
-        if norm_stats:
-            parts["norm_stats" if rms else "ln_stats"] = (1 if rms else 2) * norms * t * acc
-        if residual == "post-norm":
-            parts.update(attn_out=t * h * e, mlp_out=t * h * em)
-            # x and x1 feed Linears directly (no norm output to rebuild casts from): in a residual stream of
-            # another dtype (fp32 under autocast) each projection keeps its own cast instead (q, k, v; gate, up)
-            if er != e:
-                parts["x"] = 3 * t * h * e
-            if er != em:
-                parts["x1"] = 2 * t * h * em
-        if qk_norm == "projection":
-            parts["qk_norm_in"] = t * (num_heads + kv_heads) * head_dim * e
-            if norm_stats:
-                parts["qk_norm_stats"] = 2 * t * acc
-        if scalar_multipliers:
-            parts["multipliers"] = 8 * scalar_multipliers
-        if recompute == "none":
-            if residual != "post-norm":
-                parts.update(ln1_out=t * h * e, ln2_out=t * h * e)
-                if norms == 1:
-                    del parts["ln2_out"]
-            if moe is None:
-                parts["product" if gated else "gelu_out"] = t * ffn * e
-        if qk_norm is True and mixer is None:
-            parts["qk_norm_in"] = t * (num_heads + kv_heads) * head_dim * e
-            if norm_stats:
-                parts["qk_norm_stats"] = t * (num_heads + kv_heads) * acc
-            if er != e:  # weights of the residual stream's dtype on q, k of `dtype`: each norm keeps a row of ones
-                parts["qk_norm_ones"] = 2 * head_dim * e
-        if qk_norm in (True, "projection") and recompute == "selective" and not attn_gate and "qkv" in parts:
-            # the rotated q, k attention reads are rebuilt from the norms' inputs (kept above): of q, k, v only v
-            parts["qkv"] = t * kv_heads * head_dim * e
-        if attn_gate and mixer is None:
-            if qk_norm is True:
-                parts["qk_norm_in"] += t * num_heads * head_dim * e
-            if recompute == "none":
-                parts["attn_gate_product"] = t * num_heads * head_dim * e
-        if qk_norm == "rotated":
-            # RoPE multiplies q, k by tables of the residual stream's dtype: under autocast the rotated q, k (the
-            # norms' inputs, and "none"'s outputs) are fp32, v stays in `dtype`
-            eq = e if qk_norm_weightless else max(e, er)
-            parts["qkv"] = t * ((num_heads + kv_heads) * head_dim * eq + kv_heads * head_dim * e)
-            parts["qk_norm_stats"] = t * (num_heads + kv_heads) * acc
-            if recompute == "none":
-                parts["qk_norm_out"] = t * (num_heads + kv_heads) * head_dim * eq
-            if qk_norm_weightless:
-                parts["qk_norm_ones"] = 2 * head_dim * e
-        if query_scales and "qkv" in parts:
-            parts["query_scales"] = seq_len * 4
-        if post_norms:
-            parts.update(attn_out=t * h * e, mlp_out=t * h * em)
-            if norm_stats:
-                parts["post_norm_stats"] = 2 * t * acc
+    sizes = Sizes(seq_len, batch, h, num_heads, kv_heads, head_dim, ffn, e, er, em, acc, recompute, dtype,
+                  as_dtype(residual_dtype) if residual_dtype is not None else dtype, rms, norm_stats)
+    kept = {}
+    for part in layer_parts(residual, norms, qk_norm, post_norms, moe, mixer, attn_gate, scalar_multipliers, gated,
+                            parts, mla, qk_norm_weightless, query_scales):
+        part.keep(kept, sizes)
+    if sizes.rebuilds:
         rng.threshold(dropout, "dropout")
         rng.threshold(attn_dropout, "attn_dropout")
         sites = (attn_dropout > 0) + 2 * (dropout > 0)
         if sites:
-            parts["seeds"] = 8 * sites
+            kept["seeds"] = 8 * sites
         if lora is not None:
-            parts.update(lora.kept(t))
-        if mla is not None:
-            parts.update(mla.kept(t, e, acc, recompute, norm_stats, ones=er != e))
+            kept.update(lora.kept(t))
     if breakdown in ("class", "class-last"):
-        return split_parts(parts, layer_policy, offloaded=breakdown == "class")
-    return parts if breakdown else sum(parts.values())
+        return split_parts(kept, layer_policy, offloaded=breakdown == "class")
+    return kept if breakdown else sum(kept.values())
+
+
+def layer_parts(residual="pre-norm", norms=2, qk_norm=None, post_norms=False, moe=None, mixer=None, attn_gate=False,
+                scalar_multipliers=0, gated=False, parts=(), mla=None, qk_norm_weightless=False, query_scales=False):
+    """The parts of a layer of these forms (estimate's keywords of the same names), in the order they enter what
+    the layer keeps: its residual stream and norms, its attention (unless a mixer holds its place), its kept mixer,
+    its MLP (dense or `moe`), its float scalars, then `parts`."""
+    for part in parts:
+        if not callable(getattr(part, "keep", None)):
+            raise TypeError(f"parts: {type(part).__name__} has no keep(kept, sizes) method")
+    if mixer is not None and (qk_norm or attn_gate) and (not mixer.attention or qk_norm is True or attn_gate):
+        raise ValueError(f"qk_norm={qk_norm!r}, attn_gate={attn_gate!r} with mixer {mixer.name!r}: a layer whose mixer "
+                         "holds attention's place has no q/k norms or output gate, and per-head q/k norms or a gate on "
+                         "attention beside a mixer are not modelled")
+    if mla is not None and (qk_norm or attn_gate or mixer is not None or qk_norm_weightless or query_scales):
+        raise ValueError("mla: latent attention with q/k norms, query scales, an output gate or a mixer is not "
+                         "modelled")
+    out = [Residual(residual, norms, bool(post_norms))]
+    if mla is not None:
+        out.append(mla)
+    elif mixer is None or mixer.attention:
+        out.append(Attention(qk_norm or None, bool(attn_gate), bool(qk_norm_weightless), bool(query_scales)))
+    if mixer is not None:
+        out.append(mixer)
+    out.append(moe if moe is not None else DenseMLP(gated))
+    if scalar_multipliers:
+        out.append(Scalars(scalar_multipliers))
+    return out + list(parts)
 
 
 RESIDUALS = ("pre-norm", "parallel", "post-norm")
@@ -311,6 +268,11 @@ class MoE:
         if not isinstance(self.shared_dim, int) or self.shared_dim < 0:
             raise ValueError(f"shared_dim must be an int >= 0, got {self.shared_dim!r}")
 
+    def keep(self, kept, sizes):
+        """memory.parts' protocol: the routed rows, router and shared expert, in the modes that keep them."""
+        if sizes.rebuilds:
+            kept.update(self.kept(sizes.t, sizes.em, sizes.e, sizes.recompute))
+
     def kept(self, tokens, mlp_size, size, recompute="selective"):
         """Parts (bytes) for `tokens` tokens; mlp_size / size: element sizes of the MLP's matmul outputs and
         of the layer's dtype."""
@@ -355,6 +317,14 @@ class Mixer:
 
     def kept(self, seq_len, batch, input_dtype, compute_dtype):
         return int(self.saved(seq_len, batch, input_dtype, compute_dtype))
+
+    def keep(self, kept, s):
+        """memory.parts' protocol: what the mixer saves and, beside attention, the scaled input q/k/v read."""
+        if not s.rebuilds:
+            return
+        if self.attention:  # q/k/v read the normed input times a number: that product (autocast: each one's cast)
+            kept["attn_in"] = (3 if s.er != s.e else 1) * s.t * s.hidden * s.e
+        kept["mixer"] = self.kept(s.seq_len, s.batch, s.residual_dtype, s.dtype)
 
 
 # Elementwise FLOPs per element (coarse, but only their ratio to the matmuls matters for a plan).

@@ -30,6 +30,15 @@ class MLA:
         if self.q_rank is not None:
             check_positive_int(self.q_rank, "q_rank")
 
+    def keep(self, kept, s):
+        """memory.parts' protocol: attention's part of a layer whose attention is latent ("attention-kept" caches
+        the output, heads*value wide, and the logsumexp)."""
+        if s.recompute == "full":
+            return
+        kept.update(o=s.t * self.heads * self.value * s.e, lse=s.heads * s.t * s.acc)
+        if s.rebuilds:
+            kept.update(self.kept(s.t, s.e, s.acc, s.recompute, s.norm_stats, ones=s.er != s.e))
+
     def kept(self, tokens, size, acc, recompute="selective", norm_stats=True, ones=False):
         """Parts (bytes) replacing a Llama layer's q/k/v and o for `tokens` tokens; size / acc: element sizes of
         the layer's dtype and of its fp32 (or fp64) statistics; ones: the latent norms keep a row of ones."""

@@ -363,19 +363,26 @@ def graph_saved_bytes(outputs, exclude=()):
     for obj in exclude:
         tensors = list(obj.parameters()) + list(obj.buffers()) if isinstance(obj, nn.Module) else [obj]
         skip |= {storage_key(t)[0] for t in tensors}
-    seen_nodes, sizes = set(), {}
+    sizes = {}
+    for t in graph_saved_tensors(outputs):
+        key, nbytes = storage_key(t)
+        if key not in skip and not isinstance(t, nn.Parameter):
+            sizes[key] = nbytes
+    return sum(sizes.values())
+
+
+def graph_saved_tensors(outputs):
+    """Every tensor a node of the autograd graph behind `outputs` (tensors, or nested containers of them) holds
+    for backward, each node visited once."""
+    seen = set()
     stack = [t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while stack:
         node = stack.pop()
-        if node is None or node in seen_nodes:
+        if node is None or node in seen:
             continue
-        seen_nodes.add(node)
-        for t in _node_saved(node):
-            key, nbytes = storage_key(t)
-            if key not in skip and not isinstance(t, nn.Parameter):
-                sizes[key] = nbytes
+        seen.add(node)
+        yield from _node_saved(node)
         stack += [nxt for nxt, _ in node.next_functions]
-    return sum(sizes.values())
 
 
 def note_saved(tensors, op):

@@ -9,9 +9,9 @@ from torch import nn
 
 from ..keeping.policy import CHECKPOINTED, resolve
 from ..registry import recomputable_layers, state_of
+from ..validation import GATED_ACTIVATIONS, check_positive_int
 from ..validation import RECOMPUTE_MODES as MODES
-from ..validation import check_positive_int
-from .estimate import check_shape, estimate, recompute_flops
+from .estimate import check_shape, estimate, layer_parts, recompute_flops
 from .units import as_dtype, format_bytes
 
 
@@ -44,12 +44,18 @@ class LayerShape:
     mla: object = None  # memory.MLA: multi-head latent attention (DeepSeek-V3), or None
     qk_norm_weightless: bool = False  # rotated q/k norms without a weight, q and k rotated in their dtype (Llama 4)
     query_scales: bool = False  # q times a float32 scale per position (Llama 4's attention temperature)
+    parts: tuple = ()  # the layer's other parts (memory/parts.py), each entering what it keeps (keep(kept, sizes))
 
     def kept_kwargs(self):
         return {"residual": self.residual, "norms": self.norms, "qk_norm": self.qk_norm, "norm_stats": self.norm_stats,
                 "scalar_multipliers": self.scalar_multipliers, "post_norms": self.post_norms,
                 "moe": self.moe, "mixer": self.mixer, "attn_gate": self.attn_gate, "mla": self.mla,
-                "qk_norm_weightless": self.qk_norm_weightless, "query_scales": self.query_scales}
+                "qk_norm_weightless": self.qk_norm_weightless, "query_scales": self.query_scales, "parts": self.parts}
+
+    def layer_parts(self):
+        """The layer's parts (memory/parts.py) whose kept bytes `estimate` sums: those of its forms, then `parts`."""
+        kw = {k: v for k, v in self.kept_kwargs().items() if k != "norm_stats"}
+        return layer_parts(gated=self.activation in GATED_ACTIVATIONS, **kw)
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,

@@ -1,6 +1,6 @@
 """Model integrations: a model spec per model family, one driver, consulted by convert().
 
-A Hugging Face model family is a module models/<family>.py defining `SPEC` (a hf.ModelSpec); every
+A Hugging Face model family is a module models/<family>.py defining `SPEC` (a spec.ModelSpec); every
 such module is found here, so a new family is that one file. A Hugging Face model of any of these families
 (`model_specs()`; README lists them) is chosen by `config.model_type` and converted in place by patching
 (hf.plan and hf.apply): every module, name and parameter stays. The eager
@@ -22,6 +22,7 @@ from . import eager, hf
 from .errors import ConversionError
 from .patches import runs_in_tiles
 from .peft import plan_adapters
+from .spec import ModelSpec
 
 __all__ = ["ConversionError", "convert", "model_specs"]
 
@@ -32,7 +33,7 @@ def model_specs():
     specs = {}
     for info in pkgutil.iter_modules(__path__):
         spec = getattr(importlib.import_module(f"{__name__}.{info.name}"), "SPEC", None)
-        if isinstance(spec, hf.ModelSpec):
+        if isinstance(spec, ModelSpec):
             for t in spec.model_types:
                 if t in specs:
                     raise ValueError(f"model type {t!r} has two model specs ({info.name} and another)")
@@ -91,9 +92,9 @@ def convert(model, recompute="selective", plan=None):
 def _check_tiles(layers, patches, spec, layer_policy):
     """A policy that runs the MLP in tiles needs every layer's MLP forward to tile: else the error, before any
     change."""
-    child = hf.mlp_child(spec)
+    child = spec.child("mlp")
     if layer_policy.layer_tiles > 1 and spec.mixer is not None:
-        mixer = next(c for c, role in spec.children if role == "mixer")
+        mixer = spec.child("mixer")
         held = [type(layer).__name__ for layer in layers if mixer in layer._modules]
         if held:
             raise ConversionError(f"{held[0]}.{mixer} ({spec.mixer.cls}) is a recurrent token mixer kept as "

@@ -5,7 +5,7 @@ alpha_n) is called as the elementwise activation module it is: its own forward r
 keeps up_proj's output only and runs that forward again in backward (patches.activate), so the MLP keeps
 what a GELU MLP keeps and the alphas get their gradients. Its llama3 RoPE stays in transformers' own forward."""
 
-from .hf import MLPSpec, llama_shaped
+from .spec import MLPSpec, llama_shaped
 
 SPEC = llama_shaped("apertus", "Apertus", children=(("attention_layernorm", "norm"), ("self_attn", "attention"),
                                                     ("feedforward_layernorm", "norm"), ("mlp", "mlp")),

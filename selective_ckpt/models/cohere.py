@@ -7,7 +7,7 @@ Per-head q/k norms (use_qk_norm: a LayerNorm over [heads, head_dim] with a weigh
 """
 
 from .errors import ConversionError
-from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, residual_shape
+from .spec import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec
 
 
 def _check(root, name):
@@ -22,4 +22,4 @@ SPEC = ModelSpec(
     norm=NormSpec("layernorm", "CohereLayerNorm"), attention="CohereAttention",
     attention_children=("q_proj", "k_proj", "v_proj", "o_proj"),
     mlp=MLPSpec("CohereMLP", "gate_up", GATE_UP_CHILDREN),
-    residual="parallel", check=_check, shape=residual_shape)
+    residual="parallel", check=_check)

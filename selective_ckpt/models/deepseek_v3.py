@@ -5,10 +5,11 @@ config.first_k_dense_replace and sparse MoE blocks after it: routed experts plus
 group-limited router (models/sigmoid_routed_moe.py)."""
 
 from ..memory.latent_attention import MLA
-from .hf import config_shape, llama_shaped, modules_of
+from .checks import modules_of
+from .layer_shape import config_shape
 from .mla import check_attention, mla_forward
-from .moe import moe_shape
-from .sigmoid_routed_moe import block_fields, is_block, moe_spec
+from .sigmoid_routed_moe import moe_spec
+from .spec import llama_shaped
 
 _ATTENTION = "DeepseekV3Attention"
 
@@ -23,16 +24,16 @@ def _patches(root):
 
 
 def _shape(layer, config, spec):
-    """config_shape (a dense layer) or moe_shape with the block's fields, with the layer's memory.MLA."""
+    """config_shape with the layer's memory.MLA (its widths are the config's)."""
     attn = layer.self_attn
     mla = MLA(heads=config.num_attention_heads, nope=attn.qk_nope_head_dim, rope=attn.qk_rope_head_dim,
               value=attn.v_head_dim, kv_rank=attn.kv_lora_rank, q_rank=attn.q_lora_rank)
-    if is_block(layer.mlp, "DeepseekV3"):
-        return {**moe_shape(layer, config, spec), **block_fields(layer.mlp), "mla": mla}
     return {**config_shape(layer, config, spec), "mla": mla}
 
 
 SPEC = llama_shaped("deepseek_v3", "DeepseekV3", shape=_shape, check=_check, patches=_patches,
                     attention_children=("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
                                         "kv_a_layernorm", "kv_b_proj", "o_proj"),
+                    # one q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj by config.q_lora_rank
+                    attention_optional=("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"),
                     moe=moe_spec("DeepseekV3", "deepseek_v3"))

@@ -2,8 +2,9 @@
 config.use_bias and an interleaved RoPE computed in float32: the attention forward is transformers' with its
 repeated rotary tables made once per model forward instead of in every layer (models/interleaved_rope.py)."""
 
-from .hf import llama_shaped, modules_of
+from .checks import modules_of
 from .interleaved_rope import attention_forward, rotate_ernie
+from .spec import llama_shaped
 
 
 def _attention_forward(self, *args, **kwargs):

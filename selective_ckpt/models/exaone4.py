@@ -10,7 +10,8 @@ token fewer than memory.estimate counts for a per-head q/k-normed layer. Those c
 """
 
 from .errors import ConversionError
-from .hf import config_shape, llama_shaped
+from .layer_shape import config_shape
+from .spec import llama_shaped
 
 
 def _check(root, name):
@@ -26,10 +27,10 @@ def _check(root, name):
 
 
 def shape(layer, config, spec):
-    """config_shape plus the post-norm residual form (memory.estimate); the window only on sliding layers (every
-    Exaone4Attention holds config.sliding_window, used where its layer type is sliding)."""
-    attn = layer.self_attn
-    return dict(config_shape(layer, config, spec), residual="post-norm",
+    """config_shape with the window only on sliding layers (every Exaone4Attention holds config.sliding_window,
+    used where its layer type is sliding)."""
+    attn = getattr(layer, spec.child("attention"))
+    return dict(config_shape(layer, config, spec),
                 sliding_window=(attn.sliding_window or None) if getattr(attn, "is_sliding", False) else None)
 
 

@@ -4,16 +4,15 @@ then y = x1 + mlp(norm(x1)), with scalar multipliers (the key's, the MLP's gate 
 the logits'; the Mamba-2 mixer's input and its MuP vector). The attention converts at the floor (our kernels
 through transformers' attention registry, transformers' forward), the norms and the MLP convert (the gate's
 multiplier applied to gate_proj's output, which the activation keeps in place of it); the Mamba-2 mixer keeps
-transformers' implementation and what it saves (hf.MixerSpec, beside the attention; said once at convert)."""
+transformers' implementation and what it saves (spec.MixerSpec, beside the attention; said once at convert)."""
 
 import functools
 
 from ..keeping import pipeline, tiling
-from ..memory.estimate import Mixer
+from .checks import modules_of
 from .errors import ConversionError
-from .hf import GATE_UP_CHILDREN, MixerSpec, MLPSpec, NormSpec, config_shape, llama_shaped, modules_of
-from .hybrid import mixer_saved_bytes
 from .patches import activate, mlp_tiles
+from .spec import GATE_UP_CHILDREN, MixerSpec, MLPSpec, NormSpec, llama_shaped
 
 MAMBA_WHY = ("its Mamba-2 scan (short convolution, chunked state-space recurrence, gated RMSNorm) has no kernel "
              "here; its forward and what it saves for backward are transformers'")
@@ -42,17 +41,9 @@ def check(root, name):
             raise ConversionError(f"{name}: {n} has no mup_vector; it cannot be kept as transformers' own")
 
 
-def shape(layer, config, spec):
-    """config_shape plus the kept Mamba-2 mixer beside the attention (memory.Mixer) and the layer's scalars."""
-    fields = config_shape(layer, config, spec)
-    mixer = layer.mamba
-    saved = functools.partial(mixer_saved_bytes, mixer)
-    return {**fields, "scalar_multipliers": SCALARS, "mixer": Mixer(type(mixer).__name__, saved, attention=True)}
-
-
 SPEC = llama_shaped("falcon_h1", "FalconH1",
                     children=(("input_layernorm", "norm"), ("mamba", "mixer"), ("self_attn", "attention"),
                               ("pre_ff_layernorm", "norm"), ("feed_forward", "mlp")),
                     mlp=MLPSpec("FalconH1MLP", "gate_up", GATE_UP_CHILDREN, mlp_forward),
-                    norm=NormSpec("rmsnorm", "FalconH1RMSNorm"), shape=shape, check=check,
+                    norm=NormSpec("rmsnorm", "FalconH1RMSNorm"), scalar_multipliers=SCALARS, check=check,
                     mixer=MixerSpec("FalconH1Mixer", MAMBA_WHY, beside_attention=True))

@@ -1,5 +1,5 @@
 """Hugging Face Gemma: Llama-shaped, its RMSNorm scaled by (1 + w) (offset 1) and a GeGLU MLP (tanh GELU)."""
 
-from .hf import NormSpec, llama_shaped
+from .spec import NormSpec, llama_shaped
 
 SPEC = llama_shaped("gemma", "Gemma", norm=NormSpec("rmsnorm", "GemmaRMSNorm", offset=1.0))

@@ -7,7 +7,7 @@ the final-logit soft-capping in the fused loss head; bidirectional attention is 
 changes (`check_gemma`)."""
 
 from .errors import ConversionError
-from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, config_shape
+from .spec import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec
 
 
 def check_gemma(root, name):
@@ -33,7 +33,7 @@ def gemma_spec(model_type, prefix, qk_norm=False):
                                ("post_feedforward_layernorm", "norm"), ("mlp", "mlp")),
                      norm=NormSpec("rmsnorm", f"{prefix}RMSNorm", offset=1.0), attention=f"{prefix}Attention",
                      attention_children=("q_proj", "k_proj", "v_proj", "o_proj"),
-                     mlp=MLPSpec(f"{prefix}MLP", "gate_up", GATE_UP_CHILDREN), shape=config_shape,
+                     mlp=MLPSpec(f"{prefix}MLP", "gate_up", GATE_UP_CHILDREN),
                      residual="sandwich", qk_norm=qk_norm, check=check_gemma)
 
 

@@ -3,7 +3,7 @@ sandwich layer (four norms a layer, the post-norms keeping o_proj's and down_pro
 
 - Gemma4RMSNorm: T(x * rstd * w) in float32, rounded once, its weight used as it is (no (1 + w)), and scale-free
   norms (v_norm, the router's) without a weight: every one of them runs its own forward, bit for bit, keeping its
-  input only and running again in backward (hf.NormSpec rounding "float32_scale");
+  input only and running again in backward (spec.NormSpec rounding "float32_scale");
 - per-head RMSNorms on q and k before RoPE and a scale-free one on v (qk_norm=True with v_norm as a third child):
   each keeps its input (the projection's output); v_norm's output, attention's v, is rebuilt from it. Where
   attention_k_eq_v makes a full layer's v from k_proj (no v_proj), v_norm reads k_norm's input, kept once;
@@ -27,10 +27,12 @@ import torch
 from ..keeping import pipeline
 from ..memory.estimate import MoE
 from .attention import forward_with_rope
+from .checks import check_children, modules_of
 from .errors import ConversionError
-from .hf import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec, check_children, config_shape, modules_of
+from .layer_shape import config_shape
 from .moe import check_experts, experts_forward
 from .patching import PATCHED
+from .spec import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec
 
 # a MoE layer's own children (config.enable_moe_block: every layer holds them)
 _MOE_CHILDREN = (("router", "own"), ("experts", "own"), ("post_feedforward_layernorm_1", "norm"),
@@ -138,14 +140,11 @@ class Gemma4MoE(MoE):
 
 
 def _shape(layer, config, spec):
-    """config_shape with the layer's own kv heads (a full layer's num_global_key_value_heads) and head_dim; q, k and
-    v are kept as their projections' outputs (the q/k/v norms' inputs; the norms' and RoPE's outputs are rebuilt),
-    the bytes of a layer without q/k norms; the norms keep no statistics (their own forward runs again). A MoE layer
-    adds its experts and router (Gemma4MoE)."""
-    attn = layer.self_attn
+    """config_shape with the layer's own kv heads (a full layer's num_global_key_value_heads); a MoE layer (by
+    config.enable_moe_block) adds its experts and router (Gemma4MoE)."""
+    attn = getattr(layer, spec.child("attention"))
     fields = config_shape(layer, config, spec)
-    fields.pop("qk_norm", None)
-    fields.update(num_kv_heads=attn.k_proj.out_features // attn.head_dim, norm_stats=False)
+    fields["num_kv_heads"] = attn.k_proj.out_features // attn.head_dim
     if "experts" in layer._modules:
         experts, dense = layer.experts, getattr(layer.mlp.gate_proj, "base_layer", layer.mlp.gate_proj)
         fields["moe"] = Gemma4MoE(num_experts=experts.num_experts, top_k=config.top_k_experts,
@@ -160,4 +159,4 @@ SPEC = ModelSpec(model_types=("gemma4_text",), layer="Gemma4TextDecoderLayer", c
                  attention_children=("q_proj", "k_proj", "v_proj", "o_proj"),
                  mlp=MLPSpec("Gemma4TextMLP", "gate_up", GATE_UP_CHILDREN), shape=_shape, residual="sandwich",
                  qk_norm=True, qk_norm_children=("q_norm", "k_norm", "v_norm"), check=check_gemma4,
-                 patches=_patches, optional=tuple(c for c, _ in _MOE_CHILDREN))
+                 attention_optional=("v_proj",), patches=_patches, optional=tuple(c for c, _ in _MOE_CHILDREN))

@@ -5,8 +5,9 @@ the post-norms keep o_proj's and down_proj's outputs), q/k/v biases by config.at
 and interleaved: the attention forward is transformers' with its repeated rotary tables made once per model
 forward instead of in every layer (models/interleaved_rope.py)."""
 
-from .hf import PACKED_GATE_UP_CHILDREN, MLPSpec, NormSpec, llama_shaped, modules_of
+from .checks import modules_of
 from .interleaved_rope import attention_forward, rotate_glm
+from .spec import PACKED_GATE_UP_CHILDREN, MLPSpec, NormSpec, llama_shaped
 
 
 def _attention_forward(self, *args, **kwargs):

@@ -10,7 +10,7 @@ dropouts keep a seed instead of a mask. attn_pdrop goes to the attention kernel 
 from torch import nn
 
 from .errors import ConversionError
-from .hf import MLPSpec, ModelSpec, NormSpec, config_shape
+from .spec import MLPSpec, ModelSpec, NormSpec
 
 
 def _check(root, name):
@@ -24,4 +24,4 @@ SPEC = ModelSpec(
     norm=NormSpec("layernorm", nn.LayerNorm), attention="GPT2Attention",
     attention_children=("c_attn", "c_proj", "attn_dropout", "resid_dropout"),
     mlp=MLPSpec("GPT2MLP", "fc", ("c_fc", "act", "c_proj", "dropout")),
-    dropout=True, check=_check, shape=config_shape)
+    dropout=True, check=_check)

@@ -9,11 +9,13 @@ projection's output, is kept as its own copy (models/attention.py), so that outp
 
 from torch import nn
 
-from .hf import MLPSpec, ModelSpec, NormSpec, residual_shape
+from .layer_shape import config_shape
+from .spec import MLPSpec, ModelSpec, NormSpec
 
 
 def _shape(layer, config, spec):
-    return residual_shape(layer, config, spec, parallel=bool(layer.use_parallel_residual))
+    """config_shape, the residual form by the layer's own use_parallel_residual (its two norms either way)."""
+    return {**config_shape(layer, config, spec), "residual": "parallel" if layer.use_parallel_residual else "pre-norm"}
 
 
 SPEC = ModelSpec(

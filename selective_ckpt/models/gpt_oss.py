@@ -17,13 +17,12 @@ from ..double_backward import first_order_only
 from ..keeping import pipeline
 from ..memory.estimate import MoE
 from ..storages import PLAIN_TENSOR_TYPES
+from .checks import check_children, is_class, modules_of
 from .errors import ConversionError
-from .hf import GATE_UP_CHILDREN, MLPSpec, NormSpec, check_children, config_shape, llama_shaped
 from .moe import (
     IMPLEMENTATIONS,
     MoESpec,
     _autocast_dtype,
-    _DenseView,
     _in_tiles,
     _records,
     _routes,
@@ -33,6 +32,7 @@ from .moe import (
     implementation_of,
 )
 from .patches import mlp_tiles, tiled_forward
+from .spec import GATE_UP_CHILDREN, MLPSpec, NormSpec, llama_shaped
 
 _BLOCK, _EXPERTS, _ROUTER = "GptOssMLP", "GptOssExperts", "GptOssTopKRouter"
 # gpt-oss's experts as transformers declares them: [gate, up] interleaved, transposed, with biases
@@ -171,12 +171,10 @@ class GptOssMoESpec(MoESpec):
     their own gate (checked here instead of moe.check_experts, which refuses those layouts)."""
 
     def check_block(self, block, name, model_type, mlp_cls):
-        from .hf import _is
-
-        check_children(block, name, ("router", "experts"), model_type)
+        check_children(block, name, self.children, model_type)
         check_children(block.experts, f"{name}.experts", (), model_type)
-        check_children(block.router, f"{name}.router", (), model_type)
-        if not _is(block.experts, _EXPERTS) or not _is(block.router, _ROUTER):
+        check_children(block.router, f"{name}.{self.router_child}", (), model_type)
+        if not is_class(block.experts, _EXPERTS) or not is_class(block.router, _ROUTER):
             raise ConversionError(f"{name} (model type {model_type!r}): experts {type(block.experts).__name__} and "
                                   f"router {type(block.router).__name__} must be {_EXPERTS} and {_ROUTER}")
         experts = block.experts
@@ -199,25 +197,21 @@ class GptOssMoESpec(MoESpec):
                                   f"{experts.num_experts}")
 
     def patches(self, root):
-        from .hf import modules_of
-
         return [(m, experts_forward) for _, m in modules_of(root, _EXPERTS)]  # the block: the spec's MLP forward
 
+    def memory(self, block):
+        """memory.MoE of the block: gpt-oss's router keeps top-k's indices and the softmax over the top-k logits
+        (the routing weights) only."""
+        return MoE(num_experts=block.experts.num_experts, top_k=block.router.top_k,
+                   expert_dim=block.experts.intermediate_size, norm_topk_prob=False, router="topk_softmax")
 
-def _shape(layer, config, spec):
-    """config_shape of the attention with memory.MoE for the block: gpt-oss's router keeps top-k's indices and the
-    softmax over the top-k logits (the routing weights) only; its norms keep no statistics."""
-    block = layer.mlp
-    fields = config_shape(_DenseView(layer), config, spec)
-    moe = MoE(num_experts=block.experts.num_experts, top_k=block.router.top_k,
-              expert_dim=block.experts.intermediate_size, norm_topk_prob=False, router="topk_softmax")
-    fields.update(ffn_dim=moe.expert_dim, mlp_ratio=moe.expert_dim / fields["hidden_dim"], moe=moe,
-                  activation="swiglu", norm_stats=False)
-    return fields
+    def activation(self, block):
+        return "swiglu"  # the clamped SwiGLU keeps gate and up as SwiGLU does
 
 
 # every layer's MLP is the MoE block: the spec's MLP names it with the block's forward (the driver patches it once,
 # and checks it as the MoE block it also is)
 SPEC = llama_shaped("gpt_oss", "GptOss", norm=NormSpec("rmsnorm", "GptOssRMSNorm", rounding="float32_scale"),
-                    mlp=MLPSpec(_BLOCK, "gate_up", GATE_UP_CHILDREN, forward=_block_forward), shape=_shape,
-                    moe=GptOssMoESpec(_BLOCK, ("router", "experts"), _EXPERTS, _ROUTER, block_forward=_block_forward))
+                    mlp=MLPSpec(_BLOCK, "gate_up", GATE_UP_CHILDREN, forward=_block_forward),
+                    moe=GptOssMoESpec(_BLOCK, ("router", "experts"), _EXPERTS, _ROUTER, block_forward=_block_forward,
+                                      router_child="router"))

@@ -3,7 +3,7 @@ head on q and k after RoPE (query_layernorm, key_layernorm). Attention reads tho
 rebuilt from their inputs (the rotated q and k) and an fp32 rstd per head: such a layer keeps Llama's floor plus
 the statistics (memory.estimate's qk_norm="rotated"). Its NTK-alpha RoPE is transformers' own rotary module."""
 
-from .hf import llama_shaped
+from .spec import llama_shaped
 
 SPEC = llama_shaped("hunyuan_v1_dense", "HunYuanDenseV1", qk_norm="rotated",
                     qk_norm_children=("query_layernorm", "key_layernorm"))

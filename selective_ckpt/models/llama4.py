@@ -1,7 +1,7 @@
 """Hugging Face Llama 4 (Llama4ForConditionalGeneration, model type "llama4"): its text model (language_model, a
 Llama4ForCausalLM on config.text_config) converts as llama4_text's (models/llama4_text.py), MoE and chunked layers
 included; the vision model, the multimodal projector and the composite's own head stay transformers' own
-(hf.ModelSpec.text_model), said once at convert."""
+(spec.ModelSpec.text_model), said once at convert."""
 
 import dataclasses
 

@@ -5,7 +5,7 @@ layers whose MLP child is `feed_forward`, with:
   in float32 by transformers' own complex tables (its attention forward runs as it is); on RoPE layers with
   use_qk_norm one weightless RMSNorm (Llama4TextWeightlessRMSNorm, alias Llama4TextL2Norm) normalises the rotated q
   and k per head: it keeps its input and fp32 statistics (and a row of ones, its kernel weight), attention reads its
-  output, rebuilt (hf.ModelSpec qk_norm="rotated");
+  output, rebuilt (spec.ModelSpec qk_norm="rotated");
 - attention temperature tuning on NoPE layers (attn_temperature_tuning: q times 1 + attn_scale *
   log1p(floor((position + 1) / floor_scale)) per position), computed by transformers' forward as it is: attention
   keeps the scaled q instead of q (the same bytes) and the product keeps the float32 scales (seq_len * 4 bytes);
@@ -23,7 +23,6 @@ layers whose MLP child is `feed_forward`, with:
 """
 
 import dataclasses
-import types
 
 import torch
 
@@ -31,10 +30,13 @@ from ..activations import kernel_activation
 from ..memory.estimate import MoE
 from ..storages import PLAIN_TENSOR_TYPES
 from . import chunked_attention
+from .checks import check_activation, check_children, is_class, modules_of
 from .errors import ConversionError
-from .hf import GATE_UP_ACTIVATION_FN_CHILDREN, MLPSpec, ModelSpec, NormSpec, check_children, config_shape, modules_of
+from .layer_parts import MLPPart
+from .layer_shape import config_shape
 from .moe import MoESpec, RoutedExperts, _autocast_dtype, _in_tiles, _records
 from .patches import mlp_tiles, tiled_forward, weightless_rms_norm_forward
+from .spec import GATE_UP_ACTIVATION_FN_CHILDREN, MLPSpec, ModelSpec, NormSpec
 
 _BLOCK, _EXPERTS, _ROUTER, _MLP = "Llama4TextMoe", "Llama4TextExperts", "Llama4Router", "Llama4TextMLP"
 _QK_NORM = "Llama4TextWeightlessRMSNorm"
@@ -107,17 +109,16 @@ class Llama4MoESpec(MoESpec):
     with a shared expert of the dense MLP's class."""
 
     def check_block(self, block, name, model_type, mlp_cls):
-        from .hf import _check_activation, _is
-
         check_children(block, name, self.children, model_type)
         check_children(block.experts, f"{name}.experts", ("act_fn",), model_type)
         check_children(block.router, f"{name}.router", (), model_type)
-        if not _is(block.experts, _EXPERTS) or not _is(block.router, _ROUTER) or not _is(block.shared_expert, _MLP):
+        if not all(is_class(m, c) for m, c in ((block.experts, _EXPERTS), (block.router, _ROUTER),
+                                                (block.shared_expert, _MLP))):
             held = ", ".join(type(m).__name__ for m in (block.experts, block.router, block.shared_expert))
             raise ConversionError(f"{name} (model type {model_type!r}): experts, router and shared expert are {held}; "
                                   f"they must be {_EXPERTS}, {_ROUTER} and {_MLP}")
         check_children(block.shared_expert, f"{name}.shared_expert", GATE_UP_ACTIVATION_FN_CHILDREN, model_type)
-        _check_activation(block.shared_expert, f"{name}.shared_expert", model_type, SPEC)
+        check_activation(block.shared_expert, f"{name}.shared_expert", model_type, SPEC.mlp.activation)
         experts = block.experts
         for p in ("gate_up_proj", "down_proj"):
             t = getattr(experts, p, None)
@@ -134,6 +135,12 @@ class Llama4MoESpec(MoESpec):
     def patches(self, root):
         return ([(m, experts_forward) for _, m in modules_of(root, self.experts)] +
                 [(m, block_forward) for _, m in modules_of(root, self.block)])
+
+    def memory(self, block):
+        """Llama4MoE: routed rows, the shared expert added without a gate, the sigmoid router over all experts."""
+        width = getattr(block.shared_expert.gate_proj, "base_layer", block.shared_expert.gate_proj).out_features
+        return Llama4MoE(num_experts=block.experts.num_experts, top_k=block.router.top_k,
+                         expert_dim=block.experts.expert_dim, norm_topk_prob=False, shared_dim=width, shared_gate=False)
 
 
 def _patches(root):
@@ -157,20 +164,16 @@ def _shape(layer, config, spec):
     """config_shape with the layer's MLP width (intermediate_size_mlp) or Llama4MoE; q/k norms "rotated" (and their
     rows of ones) on RoPE layers with use_qk_norm; the temperature's scales on NoPE layers that tune it."""
     attn, mlp = layer.self_attn, layer.feed_forward
-    block = type(mlp).__name__ == _BLOCK
-    dense = mlp.shared_expert if block else mlp
-    fields = config_shape(types.SimpleNamespace(self_attn=attn, feed_forward=dense), config, spec)
-    fields.pop("qk_norm", None)
-    width = getattr(dense.gate_proj, "base_layer", dense.gate_proj).out_features
-    fields.update(ffn_dim=width, mlp_ratio=width / fields["hidden_dim"])
+    dense = mlp.shared_expert if is_class(mlp, _BLOCK) else mlp
+    fields = config_shape(layer, config, spec)  # a block's Llama4MoE: Llama4MoESpec.memory
+    fields.update(MLPPart(spec).shape(dense, config))  # the activation as the dense MLP applies it
+    if "moe" not in fields:
+        width = getattr(dense.gate_proj, "base_layer", dense.gate_proj).out_features
+        fields.update(ffn_dim=width, mlp_ratio=width / fields["hidden_dim"])
     if "qk_norm" in attn._modules:
-        fields.update(qk_norm="rotated", qk_norm_weightless=True)
+        fields["qk_norm_weightless"] = True
     if not attn.use_rope and attn.attn_temperature_tuning:
         fields["query_scales"] = True
-    if block:
-        moe = Llama4MoE(num_experts=mlp.experts.num_experts, top_k=mlp.router.top_k,
-                        expert_dim=mlp.experts.expert_dim, norm_topk_prob=False, shared_dim=width, shared_gate=False)
-        fields.update(ffn_dim=moe.expert_dim, mlp_ratio=moe.expert_dim / fields["hidden_dim"], moe=moe)
     return fields
 
 
@@ -180,6 +183,7 @@ SPEC = ModelSpec(model_types=("llama4_text",), layer="Llama4TextDecoderLayer",
                  norm=NormSpec("rmsnorm", "Llama4TextRMSNorm"), attention="Llama4TextAttention",
                  attention_children=("q_proj", "k_proj", "v_proj", "o_proj"),
                  mlp=MLPSpec(_MLP, "gate_up", GATE_UP_ACTIVATION_FN_CHILDREN), shape=_shape,
-                 qk_norm="rotated", qk_norm_children=("qk_norm",), check=check_llama4, patches=_patches,
+                 qk_norm="rotated", qk_norm_children=("qk_norm",), attention_optional=("qk_norm",), check=check_llama4,
+                 patches=_patches,
                  moe=Llama4MoESpec(_BLOCK, ("experts", "router", "shared_expert"), _EXPERTS, _ROUTER,
                                    block_forward=block_forward))

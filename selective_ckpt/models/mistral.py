@@ -1,5 +1,5 @@
 """Hugging Face Mistral: as Llama (RMSNorm, gated MLP, grouped k/v), plus config.sliding_window."""
 
-from .hf import llama_shaped
+from .spec import llama_shaped
 
 SPEC = llama_shaped("mistral", "Mistral")

@@ -1,6 +1,6 @@
 """Hugging Face Mistral 3 (Mistral Small 3.1 / 3.2, Mistral3ForConditionalGeneration, model type "mistral3"): its
 text model (model.language_model, a MistralModel on config.text_config) converts as Mistral's; the Pixtral vision
-tower, the multimodal projector and lm_head stay transformers' own (hf.ModelSpec.text_model), said once at convert.
+tower, the multimodal projector and lm_head stay transformers' own (spec.ModelSpec.text_model), said once at convert.
 """
 
 import dataclasses

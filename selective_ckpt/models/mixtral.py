@@ -3,9 +3,9 @@
 
 import torch
 
-from .hf import llama_shaped
-from .moe import MoESpec, moe_shape, refuse_jitter
+from .moe import MoESpec, refuse_jitter
+from .spec import llama_shaped
 
-SPEC = llama_shaped("mixtral", "Mixtral", shape=moe_shape,
+SPEC = llama_shaped("mixtral", "Mixtral",
                     moe=MoESpec("MixtralSparseMoeBlock", ("gate", "experts"), "MixtralExperts", "MixtralTopKRouter",
                                 check=refuse_jitter, weights_dtype=torch.float32))

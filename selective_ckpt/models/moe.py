@@ -54,6 +54,7 @@ from ..keeping import pipeline, tiling
 from ..memory.estimate import MoE
 from ..ops.gated_mlp import gated_product_backward_op, gated_product_op, gated_product_rebuild_op
 from ..storages import PLAIN_TENSOR_TYPES
+from .checks import check_children, is_class, modules_of
 from .errors import ConversionError
 from .patches import activate, mlp_tiles, tiled_forward
 
@@ -430,7 +431,7 @@ def shared_expert_block_forward(self, hidden_states):
     return out.reshape(batch_size, sequence_length, hidden_dim)
 
 
-# --- The family description the driver reads (hf.ModelSpec.moe).
+# --- The family description the driver reads (spec.ModelSpec.moe).
 
 @dataclasses.dataclass(frozen=True)
 class MoESpec:
@@ -442,18 +443,23 @@ class MoESpec:
     shared: bool = False  # a shared expert (gated MLP of the spec's MLP class) and its sigmoid gate
     check: object = None  # extra checks (block, name) raising ConversionError
     weights_dtype: object = None  # the routing weights' dtype (Mixtral's stay float32), None: the router logits'
+    router_child: str = "gate"  # the block's router child (of class `router`)
+    # a shared expert added without a gate (GLM-4.5's "shared_experts", a gated MLP the spec's check verifies): its
+    # child; None: none, or Qwen2-MoE's gated one (`shared`)
+    ungated_shared: str = None
+    scalars: int = 0  # products by a Python float in the block (GLM-4.5's routed_scaling_factor), 8 bytes each
 
     def check_block(self, block, name, model_type, mlp_cls):
-        from .hf import _is, check_children
-
+        router = getattr(block, self.router_child, None)
         check_children(block, name, self.children, model_type)
         check_children(block.experts, f"{name}.experts", ("act_fn",), model_type)
-        check_children(block.gate, f"{name}.gate", (), model_type)
-        if not _is(block.experts, self.experts) or not _is(block.gate, self.router):
+        check_children(router, f"{name}.{self.router_child}", (), model_type)
+        if not is_class(block.experts, self.experts) or not is_class(router, self.router):
             raise ConversionError(f"{name} (model type {model_type!r}): experts {type(block.experts).__name__} and "
-                                  f"router {type(block.gate).__name__} must be {self.experts} and {self.router}")
+                                  f"{self.router_child} {type(router).__name__} must be {self.experts} and "
+                                  f"{self.router}")
         if self.shared:
-            if not _is(block.shared_expert, mlp_cls):
+            if not is_class(block.shared_expert, mlp_cls):
                 raise ConversionError(f"{name}.shared_expert is a {type(block.shared_expert).__name__}, not {mlp_cls}")
             gate = getattr(block.shared_expert_gate, "base_layer", block.shared_expert_gate)  # LoRA keeps its base
             # called as a module: a plain Linear or a bitsandbytes 4-/8-bit one (QLoRA quantizes it too)
@@ -466,50 +472,24 @@ class MoESpec:
         if self.check is not None:
             self.check(block, name)
 
-    def patches(self, root):
-        from .hf import modules_of
+    def memory(self, block):
+        """memory.MoE of a converted block: its experts, top-k and widths, its shared expert's width."""
+        experts, router = block.experts, getattr(block, self.router_child)
+        shared = (block.shared_expert if self.shared else getattr(block, self.ungated_shared)
+                  if self.ungated_shared else None)
+        shared_dim = 0 if shared is None else getattr(shared.gate_proj, "base_layer", shared.gate_proj).out_features
+        return MoE(num_experts=experts.num_experts, top_k=router.top_k, expert_dim=experts.intermediate_dim,
+                   weights_dtype=self.weights_dtype, norm_topk_prob=bool(getattr(router, "norm_topk_prob", True)),
+                   shared_dim=shared_dim, shared_gate=not self.ungated_shared)
 
+    def activation(self, block):
+        """The LayerShape activation of the experts: each routed row keeps gate and up ("swiglu" for SiLU)."""
+        return "swiglu" if kernel_activation(block.experts.act_fn) == "silu" else "geglu"
+
+    def patches(self, root):
         out = [(m, experts_forward) for _, m in modules_of(root, self.experts)]
         block_forward = self.block_forward or routed_block_forward
         return out + [(m, block_forward) for _, m in modules_of(root, self.block)]
-
-
-def moe_of(block, spec):
-    """memory.MoE for a converted MoE block (its config's experts, top-k and widths)."""
-    experts, router = block.experts, block.gate
-    weights_dtype = spec.moe.weights_dtype
-    norm = bool(getattr(router, "norm_topk_prob", True))
-    shared = block.shared_expert.gate_proj if spec.moe.shared else None
-    return MoE(num_experts=experts.num_experts, top_k=router.top_k, expert_dim=experts.intermediate_dim,
-               weights_dtype=weights_dtype, norm_topk_prob=norm,
-               shared_dim=0 if shared is None else getattr(shared, "base_layer", shared).out_features)
-
-
-def moe_shape(layer, config, spec):
-    """config_shape's LayerShape fields, with `moe` (memory.MoE) when the layer's MLP is a sparse MoE block."""
-    from .hf import _is, config_shape
-
-    mlp = layer.mlp
-    qk = {"qk_norm": True} if spec.qk_norm else {}
-    if not _is(mlp, spec.moe.block):
-        return {**config_shape(layer, config, spec), **qk}
-    fields = {**config_shape(_DenseView(layer), config, spec), **qk}
-    moe = moe_of(mlp, spec)
-    fields.update(ffn_dim=moe.expert_dim, mlp_ratio=moe.expert_dim / fields["hidden_dim"], moe=moe,
-                  activation="swiglu" if kernel_activation(mlp.experts.act_fn) == "silu" else "geglu")
-    return fields
-
-
-class _DenseView:
-    """A layer seen by config_shape before it reads the MLP's activation: only its attention matters."""
-
-    def __init__(self, layer):
-        self.self_attn = layer.self_attn
-        self.mlp = _ActView()
-
-
-class _ActView:
-    act_fn = torch.nn.SiLU()
 
 
 def refuse_jitter(block, name):

@@ -4,15 +4,9 @@ q/k RMSNorms over the whole q_proj / k_proj output, from whose inputs attention'
 the kernels do not have: each norm runs its own forward, keeping only its input (a matmul output), and
 runs again in backward."""
 
-from .hf import NormSpec, config_shape, llama_shaped
-
-
-def shape(layer, config, spec):
-    """config_shape plus what a post-norm layer with projection-wide q/k norms keeps (memory.estimate)."""
-    return dict(config_shape(layer, config, spec), residual="post-norm", qk_norm="projection", norm_stats=False)
-
+from .spec import NormSpec, llama_shaped
 
 SPEC = llama_shaped("olmo2", "Olmo2", children=(("self_attn", "attention"), ("post_attention_layernorm", "norm"),
                                                 ("mlp", "mlp"), ("post_feedforward_layernorm", "norm")),
                     norm=NormSpec("rmsnorm", "Olmo2RMSNorm", rounding="float32_scale"), residual="post-norm",
-                    qk_norm="projection", shape=shape)
+                    qk_norm="projection")

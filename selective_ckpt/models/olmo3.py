@@ -3,10 +3,9 @@ whole q_proj / k_proj output, the float32-scale RMSNorm that runs its own forwar
 with sliding-window layers by config.layer_types (each attention module's own sliding_window reaches the
 kernel) and a rope table per layer type, computed by transformers' own rotary module."""
 
-from .hf import NormSpec, llama_shaped
-from .olmo2 import shape
+from .spec import NormSpec, llama_shaped
 
 SPEC = llama_shaped("olmo3", "Olmo3", children=(("self_attn", "attention"), ("post_attention_layernorm", "norm"),
                                                 ("mlp", "mlp"), ("post_feedforward_layernorm", "norm")),
                     norm=NormSpec("rmsnorm", "Olmo3RMSNorm", rounding="float32_scale"), residual="post-norm",
-                    qk_norm="projection", shape=shape)
+                    qk_norm="projection")

@@ -1,5 +1,5 @@
 """Hugging Face Qwen2: as Llama (RMSNorm, gated MLP, grouped k/v, q/k/v biases), sliding layers by layer_types."""
 
-from .hf import llama_shaped
+from .spec import llama_shaped
 
 SPEC = llama_shaped("qwen2", "Qwen2")

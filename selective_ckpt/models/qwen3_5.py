@@ -4,10 +4,10 @@ per-head (1 + w) q/k norms and its interleaved multimodal RoPE (transformers' ow
 layers whose Gated DeltaNet (separate q/k/v, z, b and a projections) stays transformers' own, said once at
 convert."""
 
-from .hf import NormSpec, llama_shaped
-from .hybrid import HYBRID_CHILDREN, attention_patches, check_attention, deltanet, hybrid_shape
+from .hybrid import HYBRID_CHILDREN, attention_patches, check_attention, deltanet
+from .spec import NormSpec, llama_shaped
 
 SPEC = llama_shaped("qwen3_5_text", "Qwen3_5", children=HYBRID_CHILDREN,
-                    norm=NormSpec("rmsnorm", "Qwen3_5RMSNorm", offset=1.0), qk_norm=True, shape=hybrid_shape,
+                    norm=NormSpec("rmsnorm", "Qwen3_5RMSNorm", offset=1.0), qk_norm=True, attention_gate=True,
                     mixer=deltanet("Qwen3_5"), patches=attention_patches("Qwen3_5Attention"),
                     check=check_attention("Qwen3_5Attention"))

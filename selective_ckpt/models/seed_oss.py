@@ -7,9 +7,10 @@ Starcoder2's do: the MLP's forward is ours and drops out its down_proj output; t
 runs with its rate at 0 for the call, and the same dropout is applied by seed to its output.
 """
 
-from .hf import GATE_UP_CHILDREN, MLPSpec, llama_shaped, modules_of
+from .checks import modules_of
 from .patches import dropout_by_seed, gate_up_mlp_forward
 from .patching import PATCHED
+from .spec import GATE_UP_CHILDREN, MLPSpec, llama_shaped
 
 
 def _mlp_forward(self, x):

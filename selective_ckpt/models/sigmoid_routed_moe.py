@@ -10,15 +10,14 @@ scale as a float64 scalar.
 """
 
 import functools
-import types
 
 import torch
 
-from ..memory.estimate import MoE
+from .checks import check_activation, check_children
 from .errors import ConversionError
-from .hf import GATE_UP_CHILDREN, MLPSpec, _check_activation, check_children
 from .moe import MoESpec, _in_tiles, _records
 from .patches import mlp_tiles, tiled_forward
+from .spec import GATE_UP_CHILDREN
 
 
 def _rows(block, x):
@@ -42,27 +41,13 @@ def _check_block(block, name, prefix, model_type):
         raise ConversionError(f"{name}.shared_experts is a {type(shared).__name__}, not {prefix}MLP; it cannot be "
                               "converted")
     check_children(shared, f"{name}.shared_experts", GATE_UP_CHILDREN, model_type)
-    gated = types.SimpleNamespace(mlp=MLPSpec(f"{prefix}MLP", "gate_up", GATE_UP_CHILDREN))
-    _check_activation(shared, f"{name}.shared_experts", model_type, gated)
+    check_activation(shared, f"{name}.shared_experts", model_type, GATE_UP_CHILDREN[3])
 
 
 def moe_spec(prefix, model_type):
-    """The MoESpec of <prefix>MoE: <prefix>Experts behind <prefix>TopkRouter, plus <prefix>MLP shared experts."""
+    """The MoESpec of <prefix>MoE: <prefix>Experts behind <prefix>TopkRouter, plus <prefix>MLP shared experts added
+    without a gate; the router's scale by routed_scaling_factor keeps the float (scalars=1)."""
     return MoESpec(f"{prefix}MoE", ("experts", "gate", "shared_experts"), f"{prefix}Experts", f"{prefix}TopkRouter",
                    block_forward=_block_forward,
                    check=functools.partial(_check_block, prefix=prefix, model_type=model_type),
-                   weights_dtype=torch.float32)
-
-
-def is_block(mlp, prefix):
-    return type(mlp).__name__ == f"{prefix}MoE"
-
-
-def block_fields(block):
-    """The LayerShape fields of such a block beside moe_shape's: its memory.MoE (routed experts, shared experts
-    without a gate) and the router's float64 scale."""
-    shared = getattr(block.shared_experts.gate_proj, "base_layer", block.shared_experts.gate_proj)
-    moe = MoE(num_experts=block.experts.num_experts, top_k=block.gate.top_k, expert_dim=block.experts.intermediate_dim,
-              weights_dtype=torch.float32, norm_topk_prob=bool(block.gate.norm_topk_prob),
-              shared_dim=shared.out_features, shared_gate=False)
-    return {"moe": moe, "scalar_multipliers": 1}
+                   weights_dtype=torch.float32, ungated_shared="shared_experts", scalars=1)

@@ -13,9 +13,11 @@ import inspect
 
 from torch import nn
 
-from .hf import MLPSpec, ModelSpec, NormSpec, modules_of, residual_shape
+from .checks import modules_of
+from .layer_shape import config_shape
 from .patches import activate, dropout_by_seed
 from .patching import PATCHED
+from .spec import MLPSpec, ModelSpec, NormSpec
 
 
 def _mlp_forward(self, hidden_states):
@@ -75,7 +77,8 @@ def _patches(root):
 
 
 def _shape(layer, config, spec):
-    return {**residual_shape(layer, config, spec), "sliding_window": getattr(config, "sliding_window", None) or None}
+    """config_shape with config.sliding_window, which every layer's attention applies."""
+    return {**config_shape(layer, config, spec), "sliding_window": getattr(config, "sliding_window", None) or None}
 
 
 SPEC = ModelSpec(

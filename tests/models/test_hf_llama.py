@@ -48,8 +48,9 @@ def test_rms_norm_offset_of_a_spec_computes_as_gemma_norm(dtype):
     """A NormSpec offset of 1 patches the norm as y = x * rstd * (1 + w): Gemma's RMSNorm, against float64."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
-    from selective_ckpt.models import hf
+    from selective_ckpt.models.layer_parts import norm_forward
     from selective_ckpt.models.patching import patch_forward
+    from selective_ckpt.models.spec import NormSpec
     from tests.reference import assert_within_rule
 
     torch.manual_seed(0)
@@ -58,7 +59,7 @@ def test_rms_norm_offset_of_a_spec_computes_as_gemma_norm(dtype):
     ref = copy.deepcopy(norm).double()
     norm = norm.to(dtype)
     plain = copy.deepcopy(norm)
-    patch_forward(norm, hf._norm_forward(hf.NormSpec("rmsnorm", "GemmaRMSNorm", 1.0)))
+    patch_forward(norm, norm_forward(NormSpec("rmsnorm", "GemmaRMSNorm", 1.0)))
     x = torch.randn(3, 5, 24, dtype=torch.float64)
     dy = torch.randn(3, 5, 24, dtype=torch.float64).to(dtype)
     outs = []
