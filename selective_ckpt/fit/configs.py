@@ -49,6 +49,9 @@ BUNDLED = {
     # a mixture of experts with attention sinks and alternating sliding-window layers; its experts are 3-D
     # parameters, which bitsandbytes' 4-bit layers do not quantize (a QLoRA base keeps them unquantized)
     "gpt-oss-20b": "gpt-oss-20b.json",
+    # sliding layers (head dim 256, 16 kv heads) and every sixth a full one with its own head dim (512) and kv heads
+    # (4, v from k_proj): a per-layer config
+    "Gemma-4-31B": "gemma-4-31b.json",
 }
 
 

@@ -5,6 +5,7 @@ GPT-2's Conv1D or a router's weight), an experts tensor of three dimensions by t
 import torch
 from torch import nn
 
+from .. import compat
 from .timing import MLP_CHILDREN, StepCost
 
 
@@ -56,7 +57,10 @@ def step_cost(config, form):
     head_weights = head.weight.numel()
     hidden = config.hidden_size
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    # a per-layer config (Gemma 4's full layers with their own head dim) has no global head_dim: the first layer's
+    head_dim = (compat.global_config_value(config, "head_dim")
+                or next((m.head_dim for m in layer.modules() if isinstance(getattr(m, "head_dim", None), int)), None)
+                or hidden // heads)
     ffn = mlp // (3 * hidden) if mlp else 4 * hidden  # gated: three matmuls of h x f a token
     # attention's weights but the out-projection's (heads x head_dim -> hidden): q, k and v
     qkv = max(weights - mlp - heads * head_dim * hidden, 0)
