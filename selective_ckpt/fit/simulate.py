@@ -216,7 +216,11 @@ def checkpointing(model, on):
 def _even_eager_experts(self, hidden_states, top_k_index, top_k_weights):
     """transformers' "eager" experts forward (the routing mask, then per expert its rows gathered, gate_up,
     act(gate) * up, down, the routing weight, added into the output), with the routed rows split evenly between
-    the experts: fake tensors hold no index to split them by."""
+    the experts: fake tensors hold no index to split them by. Experts stored transposed ([in, out], multiplied as
+    x @ w), with biases or gated their own way (gpt-oss: interleaved gate and up, clamped) run as their class's own
+    eager loop does: x @ w + b and the class's gating method."""
+    own_layout = getattr(self, "is_transposed", False) or getattr(self, "has_bias", False) or \
+        compat.has_own_expert_gating(self)
     final = torch.zeros_like(hidden_states)
     tokens, top_k = top_k_index.shape
     with torch.no_grad():
@@ -228,11 +232,25 @@ def _even_eager_experts(self, hidden_states, top_k_index, top_k_weights):
             continue
         with torch.no_grad():
             top_k_pos, token_idx = torch.zeros(count, dtype=torch.long), torch.zeros(count, dtype=torch.long)
-        gate, up = nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
-        rows = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+        if own_layout:
+            rows = _own_layout_expert(self, hidden_states[token_idx], e)
+        else:
+            gate, up = nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+            rows = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
         rows = rows * top_k_weights[token_idx, top_k_pos, None]
         final.index_add_(0, token_idx, rows.to(final.dtype))
     return final
+
+
+def _own_layout_expert(self, x, e):
+    """Expert e's rows of an experts module stored its own way (transposed, biased, its own gating), as its eager
+    loop computes them."""
+    def project(x, w, bias):
+        y = x @ w if self.is_transposed else nn.functional.linear(x, w)
+        return y + getattr(self, bias)[e] if self.has_bias else y
+
+    return project(compat.expert_gate(self)(self, project(x, self.gate_up_proj[e], "gate_up_proj_bias")),
+                   self.down_proj[e], "down_proj_bias")
 
 
 def even_routing(model):

@@ -52,6 +52,8 @@ def _config(family):
         # the fit extends its 2-layer step by copies of the second layer: Llama 4's dense and MoE layers alternating
         # are not modelled (transformers' own predicted at 1.065 of the measured peak), so every layer is MoE here
         extra["interleave_moe_layer_step"] = 1
+    if family.name == "gpt_oss":  # its mask builder asks for a window: one as long as the sequence, every layer full
+        extra.update(sliding_window=SEQ, layer_types=["full_attention"] * LAYERS)
     if extra and family.name in ("olmo3", "exaone4", "ministral"):  # their layer_types follow the window unless given
         extra["layer_types"] = ["full_attention"] * LAYERS
     # SDPA refuses soft-capped scores: transformers' side runs SDPA here, which keeps what the capped
