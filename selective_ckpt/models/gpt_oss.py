@@ -19,18 +19,7 @@ from ..memory.estimate import MoE
 from ..storages import PLAIN_TENSOR_TYPES
 from .checks import check_children, is_class, modules_of
 from .errors import ConversionError
-from .moe import (
-    IMPLEMENTATIONS,
-    MoESpec,
-    _autocast_dtype,
-    _in_tiles,
-    _records,
-    _routes,
-    _token_sums,
-    check_expert_layout,
-    grouped_mm_op,
-    implementation_of,
-)
+from .moe import MoESpec, _in_tiles, _records, _routes, _token_sums, check_expert_layout, grouped_mm_op, routed_call
 from .patches import mlp_tiles, tiled_forward
 from .spec import GATE_UP_CHILDREN, MLPSpec, NormSpec, llama_shaped
 
@@ -135,18 +124,8 @@ def experts_forward(self, hidden_states, router_indices, routing_weights):
     output; where autograd records nothing, transformers' own."""
     if not _records(self, hidden_states, routing_weights):
         return type(self).forward(self, hidden_states, router_indices, routing_weights)
-    impl = implementation_of(self)
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"{type(self).__name__}: experts implementation {impl!r} is not supported by selective_ckpt "
-                         f"(supported: {', '.join(IMPLEMENTATIONS)}); choose one with "
-                         "model.set_experts_implementation(...)")
-    reduce, rule = IMPLEMENTATIONS[impl]
-    device_type = hidden_states.device.type
-    dtype = self.gate_up_proj.dtype if rule == "weight" else (_autocast_dtype(device_type) or hidden_states.dtype)
-    if rule != "weight" and _autocast_dtype(device_type) is None and self.gate_up_proj.dtype != hidden_states.dtype:
-        raise ValueError(f"{type(self).__name__}: hidden states {hidden_states.dtype} and expert weights "
-                         f"{self.gate_up_proj.dtype} differ outside autocast")
-    with torch.autocast(device_type, enabled=False):
+    reduce, dtype = routed_call(self, hidden_states)
+    with torch.autocast(hidden_states.device.type, enabled=False):
         return GptOssRoutedExperts.apply(hidden_states, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
                                          self.down_proj_bias, routing_weights, router_indices, float(self.alpha),
                                          float(self.limit), reduce, dtype)

@@ -34,7 +34,7 @@ from .checks import check_activation, check_children, is_class, modules_of
 from .errors import ConversionError
 from .layer_parts import MLPPart
 from .layer_shape import config_shape
-from .moe import MoESpec, RoutedExperts, _autocast_dtype, _in_tiles, _records
+from .moe import MoESpec, RoutedExperts, _in_tiles, _records, compute_dtype
 from .patches import mlp_tiles, tiled_forward, weightless_rms_norm_forward
 from .spec import GATE_UP_ACTIVATION_FN_CHILDREN, MLPSpec, ModelSpec, NormSpec
 
@@ -54,12 +54,8 @@ def experts_forward(self, hidden_states, index=None, weights=None):
     the scores scaling their input (RoutedExperts with scale_input), keeping each routed row's gate and up."""
     if index is None:
         return type(self).forward(self, hidden_states)
-    device_type = hidden_states.device.type
-    dtype = _autocast_dtype(device_type) or hidden_states.dtype
-    if _autocast_dtype(device_type) is None and self.gate_up_proj.dtype != hidden_states.dtype:
-        raise ValueError(f"{type(self).__name__}: hidden states {hidden_states.dtype} and expert weights "
-                         f"{self.gate_up_proj.dtype} differ outside autocast")
-    with torch.autocast(device_type, enabled=False):
+    dtype = compute_dtype(self, hidden_states)
+    with torch.autocast(hidden_states.device.type, enabled=False):
         # transposed [E, hidden, 2*inter] and [E, inter, hidden]: RoutedExperts takes [E, 2*inter, hidden] and
         # [E, hidden, inter], views of them
         return RoutedExperts.apply(hidden_states, self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2),

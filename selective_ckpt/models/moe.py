@@ -282,25 +282,40 @@ def _records(module, *inputs):
                                         any(p.requires_grad for p in module.parameters()))
 
 
+def compute_dtype(experts, hidden_states, rule="input"):
+    """The dtype an experts module's matmuls run in: its weights' (`rule` "weight"), else autocast's or the hidden
+    states'; a ValueError where hidden states and weights differ outside autocast (transformers' own forward would
+    fail there too)."""
+    autocast = _autocast_dtype(hidden_states.device.type)
+    if rule == "weight":
+        return experts.gate_up_proj.dtype
+    if autocast is None and experts.gate_up_proj.dtype != hidden_states.dtype:
+        raise ValueError(f"{type(experts).__name__}: hidden states {hidden_states.dtype} and expert weights "
+                         f"{experts.gate_up_proj.dtype} differ outside autocast")
+    return autocast or hidden_states.dtype
+
+
+def routed_call(experts, hidden_states):
+    """(reduce, dtype) of a recording experts call under the implementation the config names (IMPLEMENTATIONS), or
+    the ValueError naming the implementations we reproduce."""
+    impl = implementation_of(experts)
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"{type(experts).__name__}: experts implementation {impl!r} is not supported by "
+                         f"selective_ckpt (supported: {', '.join(IMPLEMENTATIONS)}); choose one with "
+                         "model.set_experts_implementation(...)")
+    reduce, rule = IMPLEMENTATIONS[impl]
+    return reduce, compute_dtype(experts, hidden_states, rule)
+
+
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The experts' forward for every implementation in IMPLEMENTATIONS, keeping each routed row's gate and up.
     Where autograd records nothing (no_grad, inference, nothing requiring a gradient) nothing is kept, and
     transformers' own experts forward runs, whichever implementation the config names."""
     if not _records(self, hidden_states, top_k_weights):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
-    impl = implementation_of(self)
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"{type(self).__name__}: experts implementation {impl!r} is not supported by selective_ckpt "
-                         f"(supported: {', '.join(IMPLEMENTATIONS)}); choose one with "
-                         "model.set_experts_implementation(...)")
-    reduce, rule = IMPLEMENTATIONS[impl]
-    device_type = hidden_states.device.type
-    dtype = self.gate_up_proj.dtype if rule == "weight" else (_autocast_dtype(device_type) or hidden_states.dtype)
-    if rule != "weight" and _autocast_dtype(device_type) is None and self.gate_up_proj.dtype != hidden_states.dtype:
-        raise ValueError(f"{type(self).__name__}: hidden states {hidden_states.dtype} and expert weights "
-                         f"{self.gate_up_proj.dtype} differ outside autocast")
+    reduce, dtype = routed_call(self, hidden_states)
     kernel = kernel_activation(self.act_fn)
-    with torch.autocast(device_type, enabled=False):
+    with torch.autocast(hidden_states.device.type, enabled=False):
         return RoutedExperts.apply(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index,
                                    kernel, reduce, dtype, False)
 
