@@ -9,7 +9,7 @@ import torch
 from .. import rng
 from ..keeping.policy import resolve, split_parts
 from ..validation import GATED_ACTIVATIONS, check_layer_shape, check_positive_int
-from .parts import Attention, DenseMLP, Residual, Scalars, Sizes
+from .parts import Sizes, check_residual, layer_of
 from .units import as_dtype
 
 
@@ -25,7 +25,7 @@ def check_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs):
 def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recompute="selective", breakdown=False,
              dropout=0.0, attn_dropout=0.0, residual_dtype=None, mlp_dtype=None, lora=None, residual="pre-norm",
              norms=2, qk_norm=None, norm_stats=True, scalar_multipliers=0, post_norms=False, moe=None, mixer=None,
-             attn_gate=False, mla=None, qk_norm_weightless=False, query_scales=False, parts=(), **layer_kwargs):
+             attn_gate=False, parts=(), **layer_kwargs):
     """Bytes one SelectiveDecoderLayer keeps for backward (docs/DESIGN.md's memory contract).
 
     layer_kwargs are the layer's keyword-only shape arguments: num_kv_heads, ffn_dim, norm,
@@ -103,14 +103,18 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     A mixer with `attention=True` runs beside the attention on the same normed input (Falcon-H1): attention's
     parts stay, plus the normed input times a number that q/k/v read (t*h*e; one cast each under autocast).
 
-    `mla` (memory.MLA): the attention is multi-head latent attention (DeepSeek-V3): its q/k/v and o parts are
-    MLA.kept's (docs/kernels/mla.md), its two latent norms add their statistics. `qk_norm_weightless` (Llama 4):
-    rotated q/k norms without a weight, q and k rotated in their own dtype, each norm keeping a row of ones;
-    `query_scales`: q times a float32 scale per position (Llama 4's attention temperature).
-
-    Each of these forms is a part of the layer (memory/parts.py, `layer_parts`): `parts` adds others, objects with
-    `keep(kept, sizes)` entering what they keep, after the layer's own.
+    A layer is its parts (memory/parts.py), each entering what it keeps: the keywords above are the shorthand of a
+    layer described by hand, translated into parts by `parts.layer_parts`. `parts` holding a Residual is the whole layer
+    as it is (a LayerShape's parts, as convert reads them; the form keywords are then left out): the residual
+    stream, the attention (parts.Attention, or memory.MLA: DeepSeek-V3's latent attention, docs/kernels/mla.md) or
+    none where a mixer holds its place, memory.Mixer, the MLP (parts.DenseMLP, or memory.MoE), parts.Scalars, then
+    parts of other forms, e.g. [Residual(), Attention(qk_norm="rotated", weightless=True, query_scales=True),
+    DenseMLP(gated=True)] for a Llama 4 layer (q/k norms without a weight after RoPE, q scaled per position).
+    Without a Residual, `parts` adds other forms' parts after those of the keywords. Either way a part is any
+    object with `keep(kept, sizes)`.
     """
+    forms = dict(residual=residual, norms=norms, qk_norm=qk_norm, scalar_multipliers=scalar_multipliers,
+                 post_norms=post_norms, moe=moe, mixer=mixer, attn_gate=attn_gate)
     check_residual(residual, norms)
     head_dim, kv_heads, ffn = check_layer_shape(hidden_dim, num_heads, mlp_ratio, **layer_kwargs)
     gated = layer_kwargs.get("activation", "gelu") in GATED_ACTIVATIONS
@@ -121,13 +125,11 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     recompute = layer_policy.recompute
     if breakdown not in (False, True, "class", "class-last"):
         raise ValueError(f"breakdown must be False, True, 'class' or 'class-last', got {breakdown!r}")
-    if qk_norm not in (None, False, True, "projection", "rotated"):
-        raise ValueError(f"qk_norm must be None, True (per head), 'projection' (q/k norms over the whole "
-                         f"projection) or 'rotated' (per head after RoPE), got {qk_norm!r}")
     if not isinstance(norm_stats, bool):
         raise TypeError(f"norm_stats must be a bool, got {type(norm_stats).__name__}")
     if scalar_multipliers != 0:
         check_positive_int(scalar_multipliers, "scalar_multipliers")
+    layer = layer_of(parts, gated, **forms)
     dtype = as_dtype(dtype)
     e = _size(dtype)
     er = _size(as_dtype(residual_dtype, "residual_dtype")) if residual_dtype is not None else e
@@ -138,8 +140,7 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     sizes = Sizes(seq_len, batch, h, num_heads, kv_heads, head_dim, ffn, e, er, em, acc, recompute, dtype,
                   as_dtype(residual_dtype) if residual_dtype is not None else dtype, rms, norm_stats)
     kept = {}
-    for part in layer_parts(residual, norms, qk_norm, post_norms, moe, mixer, attn_gate, scalar_multipliers, gated,
-                            parts, mla, qk_norm_weightless, query_scales):
+    for part in layer:
         part.keep(kept, sizes)
     if sizes.rebuilds:
         rng.threshold(dropout, "dropout")
@@ -152,47 +153,6 @@ def estimate(hidden_dim, num_heads, seq_len, batch, dtype, mlp_ratio=4, recomput
     if breakdown in ("class", "class-last"):
         return split_parts(kept, layer_policy, offloaded=breakdown == "class")
     return kept if breakdown else sum(kept.values())
-
-
-def layer_parts(residual="pre-norm", norms=2, qk_norm=None, post_norms=False, moe=None, mixer=None, attn_gate=False,
-                scalar_multipliers=0, gated=False, parts=(), mla=None, qk_norm_weightless=False, query_scales=False):
-    """The parts of a layer of these forms (estimate's keywords of the same names), in the order they enter what
-    the layer keeps: its residual stream and norms, its attention (unless a mixer holds its place), its kept mixer,
-    its MLP (dense or `moe`), its float scalars, then `parts`."""
-    for part in parts:
-        if not callable(getattr(part, "keep", None)):
-            raise TypeError(f"parts: {type(part).__name__} has no keep(kept, sizes) method")
-    if mixer is not None and (qk_norm or attn_gate) and (not mixer.attention or qk_norm is True or attn_gate):
-        raise ValueError(f"qk_norm={qk_norm!r}, attn_gate={attn_gate!r} with mixer {mixer.name!r}: a layer whose mixer "
-                         "holds attention's place has no q/k norms or output gate, and per-head q/k norms or a gate on "
-                         "attention beside a mixer are not modelled")
-    if mla is not None and (qk_norm or attn_gate or mixer is not None or qk_norm_weightless or query_scales):
-        raise ValueError("mla: latent attention with q/k norms, query scales, an output gate or a mixer is not "
-                         "modelled")
-    out = [Residual(residual, norms, bool(post_norms))]
-    if mla is not None:
-        out.append(mla)
-    elif mixer is None or mixer.attention:
-        out.append(Attention(qk_norm or None, bool(attn_gate), bool(qk_norm_weightless), bool(query_scales)))
-    if mixer is not None:
-        out.append(mixer)
-    out.append(moe if moe is not None else DenseMLP(gated))
-    if scalar_multipliers:
-        out.append(Scalars(scalar_multipliers))
-    return out + list(parts)
-
-
-RESIDUALS = ("pre-norm", "parallel", "post-norm")
-
-
-def check_residual(residual, norms):
-    """A layer's residual form and norm count as `estimate` takes them, or the error naming the argument."""
-    if residual not in RESIDUALS:
-        raise ValueError(f"residual must be one of {', '.join(map(repr, RESIDUALS))}, got {residual!r}")
-    if isinstance(norms, bool) or norms not in (1, 2):
-        raise ValueError(f"norms must be 1 or 2, got {norms!r}")
-    if residual == "pre-norm" and norms != 2:
-        raise ValueError(f"norms must be 2 for a pre-norm layer (its second norm reads x1), got {norms!r}")
 
 
 def _size(dtype):
@@ -244,6 +204,7 @@ class MoE:
     the shared expert's product is kept as well (the routed products are rebuilt in every mode).
     """
 
+    role = "mlp"  # memory.parts' role: in place of DenseMLP
     num_experts: int
     top_k: int
     expert_dim: int
@@ -306,6 +267,7 @@ class Mixer:
     `saved(seq_len, batch, input_dtype, compute_dtype)` gives the bytes its own forward keeps for backward
     (models/hybrid.py measures them by running that forward on fake tensors)."""
 
+    role = "mixer"  # memory.parts' role
     name: str
     saved: object
     attention: bool = False  # the layer runs attention beside it (Falcon-H1), not instead of it

@@ -17,6 +17,7 @@ class MLA:
     outputs. Under autocast with norms weighted in another dtype each latent norm keeps a row of
     ones (q_rank + kv_rank elements, not per token)."""
 
+    role = "attention"  # memory.parts' role: in place of Attention
     heads: int
     nope: int
     rope: int

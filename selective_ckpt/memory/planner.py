@@ -11,12 +11,16 @@ from ..keeping.policy import CHECKPOINTED, resolve
 from ..registry import recomputable_layers, state_of
 from ..validation import GATED_ACTIVATIONS, check_positive_int
 from ..validation import RECOMPUTE_MODES as MODES
-from .estimate import check_shape, estimate, layer_parts, recompute_flops
+from .estimate import check_shape, estimate, recompute_flops
+from .parts import layer_of
 from .units import as_dtype, format_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
+    """A decoder layer as the planner sees it: its widths and dtype, and its parts (memory/parts.py), whose kept
+    bytes `estimate` sums."""
+
     hidden_dim: int
     num_heads: int
     mlp_ratio: float = 4
@@ -29,33 +33,21 @@ class LayerShape:
     activation: str = "gelu"
     sliding_window: int = None
     head_dim: int = None  # the attention's head width where heads x head_dim is not hidden_dim (gpt-oss, Gemma)
-    # What converted Hugging Face layers of other forms keep (memory.estimate's keywords of the same names):
-    # "parallel" layers keep no x1, "post-norm" ones their norms' inputs; qk_norm True (per head) or
-    # "projection"; post_norms: Gemma's norms on the attention and MLP outputs.
-    residual: str = "pre-norm"
-    norms: int = 2
-    qk_norm: object = None
+    # whether the layer's norms keep their statistics (False: norms that run their own forward again in backward),
+    # a fact of every norm it holds (residual, q/k, post- and latent norms), so of the layer, not of one part
     norm_stats: bool = True
-    scalar_multipliers: int = 0
-    post_norms: bool = False
-    moe: object = None  # memory.MoE of a sparse mixture-of-experts MLP, or None
-    mixer: object = None  # memory.Mixer: a token mixer kept as transformers' own instead of attention, or None
-    attn_gate: bool = False  # attention's output gated by sigmoid of a second half of q_proj (Qwen3-Next)
-    mla: object = None  # memory.MLA: multi-head latent attention (DeepSeek-V3), or None
-    qk_norm_weightless: bool = False  # rotated q/k norms without a weight, q and k rotated in their dtype (Llama 4)
-    query_scales: bool = False  # q times a float32 scale per position (Llama 4's attention temperature)
-    parts: tuple = ()  # the layer's other parts (memory/parts.py), each entering what it keeps (keep(kept, sizes))
+    # The layer's parts in the order they keep: a Residual, its attention (Attention, MLA) or none, a Mixer, its MLP
+    # (DenseMLP, MoE), Scalars, then parts of other forms. Without a Residual the parts given follow those of a
+    # plain layer of `activation` (memory.estimate's `parts`); either way, `parts` holds the whole layer.
+    parts: tuple = ()
 
-    def kept_kwargs(self):
-        return {"residual": self.residual, "norms": self.norms, "qk_norm": self.qk_norm, "norm_stats": self.norm_stats,
-                "scalar_multipliers": self.scalar_multipliers, "post_norms": self.post_norms,
-                "moe": self.moe, "mixer": self.mixer, "attn_gate": self.attn_gate, "mla": self.mla,
-                "qk_norm_weightless": self.qk_norm_weightless, "query_scales": self.query_scales, "parts": self.parts}
+    def __post_init__(self):
+        layer = layer_of(tuple(self.parts), self.activation in GATED_ACTIVATIONS)
+        object.__setattr__(self, "parts", tuple(layer))
 
-    def layer_parts(self):
-        """The layer's parts (memory/parts.py) whose kept bytes `estimate` sums: those of its forms, then `parts`."""
-        kw = {k: v for k, v in self.kept_kwargs().items() if k != "norm_stats"}
-        return layer_parts(gated=self.activation in GATED_ACTIVATIONS, **kw)
+    def part(self, cls):
+        """The layer's part of class `cls` (or a subclass: memory.MoE finds Llama4MoE), or None."""
+        return next((p for p in self.parts if isinstance(p, cls)), None)
 
     def layer_kwargs(self):
         return {"num_kv_heads": self.num_kv_heads, "ffn_dim": self.ffn_dim, "norm": self.norm,
@@ -108,7 +100,7 @@ def _layers_of(model_or_shape, num_layers):
         except TypeError as err:
             raise ValueError(f"model_or_shape dict: {err}; keys are hidden_dim, num_heads, mlp_ratio, dtype, "
                              "causal, num_kv_heads, ffn_dim, norm, activation, sliding_window, head_dim, "
-                             "num_layers") from None
+                             "norm_stats, parts, num_layers") from None
     else:
         raise TypeError("model_or_shape must be a model holding SelectiveDecoderLayers, a LayerShape or a dict "
                         f"with hidden_dim, num_heads, num_layers (...), got {type(model_or_shape).__name__}")
@@ -125,7 +117,7 @@ def _layer_figures(shape, batch, seq_len, modes=MODES):
     is in host memory and does not count against the device budget."""
     kw = shape.layer_kwargs()
     est = functools.partial(estimate, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.dtype, shape.mlp_ratio,
-                            **kw, **shape.kept_kwargs())
+                            norm_stats=shape.norm_stats, parts=shape.parts, **kw)
     cost = functools.partial(recompute_flops, shape.hidden_dim, shape.num_heads, seq_len, batch, shape.mlp_ratio,
                              causal=shape.causal, **kw)
     # a checkpointed layer's re-run keeps its selective set again, once, beyond what the checkpoint kept

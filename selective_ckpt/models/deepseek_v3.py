@@ -6,7 +6,7 @@ group-limited router (models/sigmoid_routed_moe.py)."""
 
 from ..memory.latent_attention import MLA
 from .checks import modules_of
-from .layer_shape import config_shape
+from .layer_shape import config_shape, with_parts
 from .mla import check_attention, mla_forward
 from .sigmoid_routed_moe import moe_spec
 from .spec import llama_shaped
@@ -24,11 +24,11 @@ def _patches(root):
 
 
 def _shape(layer, config, spec):
-    """config_shape with the layer's memory.MLA (its widths are the config's)."""
+    """config_shape with the layer's memory.MLA in place of its attention (its widths are the config's)."""
     attn = layer.self_attn
     mla = MLA(heads=config.num_attention_heads, nope=attn.qk_nope_head_dim, rope=attn.qk_rope_head_dim,
               value=attn.v_head_dim, kv_rank=attn.kv_lora_rank, q_rank=attn.q_lora_rank)
-    return {**config_shape(layer, config, spec), "mla": mla}
+    return with_parts(config_shape(layer, config, spec), mla)
 
 
 SPEC = llama_shaped("deepseek_v3", "DeepseekV3", shape=_shape, check=_check, patches=_patches,

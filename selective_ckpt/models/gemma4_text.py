@@ -26,10 +26,11 @@ import torch
 
 from ..keeping import pipeline
 from ..memory.estimate import MoE
+from ..memory.parts import Scalars
 from .attention import forward_with_rope
 from .checks import check_children, modules_of
 from .errors import ConversionError
-from .layer_shape import config_shape
+from .layer_shape import config_shape, with_parts
 from .moe import check_experts, experts_forward
 from .patching import PATCHED
 from .spec import GATE_UP_CHILDREN, MLPSpec, ModelSpec, NormSpec
@@ -147,10 +148,10 @@ def _shape(layer, config, spec):
     fields["num_kv_heads"] = attn.k_proj.out_features // attn.head_dim
     if "experts" in layer._modules:
         experts, dense = layer.experts, getattr(layer.mlp.gate_proj, "base_layer", layer.mlp.gate_proj)
-        fields["moe"] = Gemma4MoE(num_experts=experts.num_experts, top_k=config.top_k_experts,
-                                  expert_dim=experts.intermediate_dim, weights_dtype=torch.float32,
-                                  shared_dim=dense.out_features, shared_gate=False, hidden_dim=config.hidden_size)
-        fields["scalar_multipliers"] = 1  # the router's input times hidden_size ** -0.5, a Python float
+        moe = Gemma4MoE(num_experts=experts.num_experts, top_k=config.top_k_experts,
+                        expert_dim=experts.intermediate_dim, weights_dtype=torch.float32,
+                        shared_dim=dense.out_features, shared_gate=False, hidden_dim=config.hidden_size)
+        fields = with_parts(fields, moe, Scalars(1))  # the router's input times hidden_size ** -0.5, a Python float
     return fields
 
 

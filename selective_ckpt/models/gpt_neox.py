@@ -9,13 +9,15 @@ projection's output, is kept as its own copy (models/attention.py), so that outp
 
 from torch import nn
 
-from .layer_shape import config_shape
+from ..memory.parts import Residual
+from .layer_shape import config_shape, with_parts
 from .spec import MLPSpec, ModelSpec, NormSpec
 
 
 def _shape(layer, config, spec):
     """config_shape, the residual form by the layer's own use_parallel_residual (its two norms either way)."""
-    return {**config_shape(layer, config, spec), "residual": "parallel" if layer.use_parallel_residual else "pre-norm"}
+    form = "parallel" if layer.use_parallel_residual else "pre-norm"
+    return with_parts(config_shape(layer, config, spec), Residual(form, spec.count("norm")))
 
 
 SPEC = ModelSpec(

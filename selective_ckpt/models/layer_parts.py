@@ -3,10 +3,12 @@
 - `cls`: the class (or class name) of the modules the part converts;
 - `check(module, name, model_type)`: ConversionError, before anything changes, when `module` cannot convert;
 - `forward(module)`: the patched forward of a module of this part, or None where it stays transformers' own;
-- `shape(module, config)`: the LayerShape fields of what it keeps (memory.estimate), from the spec and `module`.
+- `shape(module, config)`: the LayerShape fields of what it keeps (memory.estimate), from the spec and `module`:
+  its widths and `parts`, the memory part (memory/parts.py) of what the module keeps.
 
 The driver (models/hf.py) checks each child of a layer by its part and patches every module of each part's class;
-the shape reader (models/layer_shape.py) merges the parts' fields. A new kind of child is a new part.
+the shape reader (models/layer_shape.py) merges the parts' fields, each memory part in its role's place. A new kind
+of child is a new part.
 """
 
 import functools
@@ -15,6 +17,7 @@ from torch import nn
 
 from ..activations import kernel_activation
 from ..memory.estimate import Mixer
+from ..memory.parts import Attention, DenseMLP, Scalars
 from . import attention
 from .checks import check_activation, check_children, check_norm, check_present, is_class
 from .errors import ConversionError
@@ -86,18 +89,16 @@ class AttentionPart:
         return None
 
     def shape(self, module, config):
-        """Head width (given only where heads x head_dim is not hidden_size), window, q/k norms, output gate; with
-        v normed too (a third norm) each projection's output is kept once, as its norm's input: no q/k form."""
+        """Head width (given only where heads x head_dim is not hidden_size), window, and memory's Attention with its
+        q/k norms and output gate; with v normed too (a third norm) each projection's output is kept once, as its
+        norm's input: no q/k form."""
         spec, h, heads = self.spec, config.hidden_size, config.num_attention_heads
         head_dim = getattr(module, "head_dim", h // heads)
         fields = {"sliding_window": getattr(module, "sliding_window", None) or None}
         if head_dim * heads != h:
             fields["head_dim"] = head_dim
-        if self.q_norm(module) is not None and len(spec.qk_norm_children) < 3:
-            fields["qk_norm"] = spec.qk_norm
-        if spec.attention_gate:
-            fields["attn_gate"] = True
-        return fields
+        qk_norm = spec.qk_norm if self.q_norm(module) is not None and len(spec.qk_norm_children) < 3 else None
+        return {**fields, "parts": (Attention(qk_norm, bool(spec.attention_gate)),)}
 
 
 class MLPPart:
@@ -128,8 +129,8 @@ class MLPPart:
         for SiLU, "geglu" for any other); a plain one its fc_in output ("gelu_tanh" for tanh-GELU, else "gelu")."""
         kernel = kernel_activation(getattr(module, self.mlp.activation))
         if self.mlp.gated:
-            return {"activation": "swiglu" if kernel == "silu" else "geglu"}
-        return {"activation": "gelu_tanh" if kernel == "gelu_tanh" else "gelu"}
+            return {"activation": "swiglu" if kernel == "silu" else "geglu", "parts": (DenseMLP(gated=True),)}
+        return {"activation": "gelu_tanh" if kernel == "gelu_tanh" else "gelu", "parts": (DenseMLP(gated=False),)}
 
 
 class MoEPart:
@@ -149,8 +150,9 @@ class MoEPart:
 
     def shape(self, module, config):
         moe = self.moe.memory(module)
-        return {"ffn_dim": moe.expert_dim, "mlp_ratio": moe.expert_dim / config.hidden_size, "moe": moe,
-                "activation": self.moe.activation(module), "scalar_multipliers": self.moe.scalars}
+        scalars = (Scalars(self.moe.scalars),) if self.moe.scalars else ()
+        return {"ffn_dim": moe.expert_dim, "mlp_ratio": moe.expert_dim / config.hidden_size, "parts": (moe, *scalars),
+                "activation": self.moe.activation(module)}
 
 
 class MixerPart:
@@ -169,7 +171,7 @@ class MixerPart:
 
     def shape(self, module, config):
         saved = functools.partial(mixer_saved_bytes, module)
-        return {"mixer": Mixer(type(module).__name__, saved, attention=self.mixer.beside_attention)}
+        return {"parts": (Mixer(type(module).__name__, saved, attention=self.mixer.beside_attention),)}
 
 
 class DropoutPart:

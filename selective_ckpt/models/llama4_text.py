@@ -28,12 +28,13 @@ import torch
 
 from ..activations import kernel_activation
 from ..memory.estimate import MoE
+from ..memory.parts import Attention
 from ..storages import PLAIN_TENSOR_TYPES
 from . import chunked_attention
 from .checks import check_activation, check_children, is_class, modules_of
 from .errors import ConversionError
 from .layer_parts import MLPPart
-from .layer_shape import config_shape
+from .layer_shape import config_shape, with_parts
 from .moe import MoESpec, RoutedExperts, _in_tiles, _records, compute_dtype
 from .patches import mlp_tiles, tiled_forward, weightless_rms_norm_forward
 from .spec import GATE_UP_ACTIVATION_FN_CHILDREN, MLPSpec, ModelSpec, NormSpec
@@ -162,15 +163,13 @@ def _shape(layer, config, spec):
     attn, mlp = layer.self_attn, layer.feed_forward
     dense = mlp.shared_expert if is_class(mlp, _BLOCK) else mlp
     fields = config_shape(layer, config, spec)  # a block's Llama4MoE: Llama4MoESpec.memory
-    fields.update(MLPPart(spec).shape(dense, config))  # the activation as the dense MLP applies it
-    if "moe" not in fields:
+    fields["activation"] = MLPPart(spec).shape(dense, config)["activation"]  # as the dense MLP applies it
+    if not any(isinstance(p, MoE) for p in fields["parts"]):
         width = getattr(dense.gate_proj, "base_layer", dense.gate_proj).out_features
         fields.update(ffn_dim=width, mlp_ratio=width / fields["hidden_dim"])
-    if "qk_norm" in attn._modules:
-        fields["qk_norm_weightless"] = True
-    if not attn.use_rope and attn.attn_temperature_tuning:
-        fields["query_scales"] = True
-    return fields
+    attention = next(p for p in fields["parts"] if isinstance(p, Attention))
+    weightless, scaled = "qk_norm" in attn._modules, bool(not attn.use_rope and attn.attn_temperature_tuning)
+    return with_parts(fields, dataclasses.replace(attention, weightless=weightless, query_scales=scaled))
 
 
 SPEC = ModelSpec(model_types=("llama4_text",), layer="Llama4TextDecoderLayer",

@@ -10,6 +10,7 @@ import torch
 
 from selective_ckpt import ConversionError, convert
 from selective_ckpt.memory import MLA, estimate, ledger
+from selective_ckpt.memory.parts import DenseMLP, Residual
 from selective_ckpt.models.configuration import layer_estimate
 from selective_ckpt.registry import recomputable_layers
 from tests.models import hf_checks
@@ -52,11 +53,12 @@ def test_attention_keeps_the_projections_not_the_query_and_key():
     mla = MLA(heads=4, nope=16, rope=8, value=12, kv_rank=24, q_rank=40)
     t = 48
     parts = estimate(64, 4, 24, 2, torch.float32, mlp_ratio=0.5, norm="rmsnorm", activation="swiglu",
-                     num_kv_heads=4, mla=mla, breakdown=True)
+                     num_kv_heads=4, parts=(Residual(), mla, DenseMLP(gated=True)), breakdown=True)
     assert parts["qkv"] == t * (40 + 96 + 32 + 112) * 4 and parts["o"] == t * 48 * 4
     assert parts["latent_norm_stats"] == 2 * t * 4
     none = estimate(64, 4, 24, 2, torch.float32, mlp_ratio=0.5, norm="rmsnorm", activation="swiglu",
-                    num_kv_heads=4, mla=mla, recompute="none", breakdown=True)
+                    num_kv_heads=4, parts=(Residual(), mla, DenseMLP(gated=True)), recompute="none",
+                    breakdown=True)
     assert none["mla_qk"] == t * (2 * 96 + 8) * 4 and none["latent_norm_out"] == t * (40 + 24) * 4
     assert MLA(heads=4, nope=16, rope=8, value=12, kv_rank=24).kept(t, 4, 4)["qkv"] == t * (96 + 32 + 112) * 4
 

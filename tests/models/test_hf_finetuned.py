@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from selective_ckpt import ConversionError, convert
+from selective_ckpt.memory import LayerShape, MoE
+from selective_ckpt.memory.parts import Attention
 from selective_ckpt.models.configuration import layer_estimate
 from selective_ckpt.models.patching import PATCHED
 from selective_ckpt.registry import recomputable_layers
@@ -87,7 +89,8 @@ def test_glm4_moe_dense_layers_before_first_k_dense_replace():
     assert [type(layer.mlp).__name__ for layer in ours.model.layers] == ["Glm4MoeMLP", "Glm4MoeMoE"]
     ids, mask = hf_checks.batch()
     hf_checks.assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
-    assert ["moe" in layer._selective_ckpt.shape() for layer in recomputable_layers(ours)] == [False, True]
+    assert [LayerShape(**layer._selective_ckpt.shape()).part(MoE) is not None
+            for layer in recomputable_layers(ours)] == [False, True]
 
 
 @pytest.mark.parametrize("mode", ["selective", "none"])
@@ -102,7 +105,7 @@ def test_glm4_moe_with_qk_norms_keeps_its_estimate(mode):
 
     ours = hf_checks.kept_bytes_per_layer(layers, {"input_ids": ids})
     layer = recomputable_layers(layers(1))[0]
-    assert layer._selective_ckpt.shape()["qk_norm"] is True
+    assert LayerShape(**layer._selective_ckpt.shape()).part(Attention).qk_norm is True
     assert ours == layer_estimate(layer, ids.shape[1], ids.shape[0])
 
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from selective_ckpt import ConversionError, convert
+from selective_ckpt.memory import LayerShape, MoE
+from selective_ckpt.memory.parts import Attention, DenseMLP, Residual, Scalars
 from selective_ckpt.models import model_specs
 from selective_ckpt.models.spec import GATE_UP_CHILDREN, MLPSpec, llama_shaped
 
@@ -87,8 +89,10 @@ def test_the_form_comes_from_the_spec_alone():
     config = Olmo3Config(vocab_size=97, hidden_size=48, intermediate_size=88, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     shape = config_shape(Olmo3ForCausalLM(config).model.layers[0], config, spec)
-    assert (shape["residual"], shape["qk_norm"], shape["norm_stats"]) == ("post-norm", "projection", False)
-    assert shape["activation"] == "swiglu" and "moe" not in shape and "scalar_multipliers" not in shape
+    layer = LayerShape(**shape)
+    form = (layer.part(Residual).form, layer.part(Attention).qk_norm, shape["norm_stats"])
+    assert form == ("post-norm", "projection", False)
+    assert shape["activation"] == "swiglu" and layer.part(MoE) is None and layer.part(Scalars) is None
 
 
 def test_a_moe_block_is_read_without_a_stand_in_layer():
@@ -103,10 +107,11 @@ def test_a_moe_block_is_read_without_a_stand_in_layer():
                             max_position_embeddings=64, mlp_only_layers=[1])
     spec = model_specs()["qwen2_moe"]
     sparse, dense = (config_shape(layer, config, spec) for layer in Qwen2MoeForCausalLM(config).model.layers)
-    assert (sparse["moe"].num_experts, sparse["moe"].top_k, sparse["moe"].expert_dim) == (5, 2, 40)
-    assert (sparse["moe"].shared_dim, sparse["moe"].shared_gate, sparse["ffn_dim"]) == (56, True, 40)
+    moe = LayerShape(**sparse).part(MoE)
+    assert (moe.num_experts, moe.top_k, moe.expert_dim) == (5, 2, 40)
+    assert (moe.shared_dim, moe.shared_gate, sparse["ffn_dim"]) == (56, True, 40)
     assert sparse["activation"] == dense["activation"] == "swiglu"
-    assert "moe" not in dense and dense["ffn_dim"] == 88
+    assert LayerShape(**dense).part(MoE) is None and dense["ffn_dim"] == 88
 
 
 def test_every_role_has_a_part_with_one_protocol():
@@ -137,9 +142,10 @@ def test_every_role_has_a_part_with_one_protocol():
     q_norm = norm.forward(sparse.self_attn.q_norm, "qkv")
     assert isinstance(q_norm, functools.partial) and q_norm.keywords == {"kept": "qkv"}
     assert attn.forward(sparse.self_attn) is not None  # q/k norms before RoPE: RoPE's outputs rebuilt
-    assert attn.shape(sparse.self_attn, config) == {"sliding_window": None, "head_dim": 16, "qk_norm": True}
+    assert attn.shape(sparse.self_attn, config) == {"sliding_window": None, "head_dim": 16,
+                                                    "parts": (Attention(qk_norm=True),)}
     assert MoEPart(spec).forward(sparse.mlp) is None  # MoESpec.patches patches the block and its experts
-    assert MoEPart(spec).shape(sparse.mlp, config)["moe"].expert_dim == 40
-    assert MLPPart(spec).shape(dense.mlp, config) == {"activation": "swiglu"}
+    assert MoEPart(spec).shape(sparse.mlp, config)["parts"][0].expert_dim == 40
+    assert MLPPart(spec).shape(dense.mlp, config) == {"activation": "swiglu", "parts": (DenseMLP(gated=True),)}
     assert norm.shape(sparse.input_layernorm, config) == {"norm": "rmsnorm"}
     assert part_of(spec, "own", sparse.mlp) is None
