@@ -326,6 +326,9 @@ class _Projection:
         self.everywhere = set(_PROBES)
         self.contexts = collections.defaultdict(lambda: set(self.everywhere))
         self.linear_from = _linear_from(model.config, batch)
+        # (kind, seq_len) -> its _Layered: a plan's search reads the same few a million times, each a line drawn
+        # between two simulated contexts; valid until `simulate` adds a context (the only change to `contexts`)
+        self._read = {}
 
     @property
     def num_layers(self):
@@ -339,11 +342,18 @@ class _Projection:
             groups = tuple(set(_GROUPS) | set(self.contexts))
         for g in groups:
             self.contexts[g].add(seq_len)
+        self._read.clear()
 
     def simulated(self, seq_len, groups=tuple(_GROUPS)):
         return all(seq_len in self.contexts[g] for g in groups)
 
     def layered(self, kind, seq_len):
+        found = self._read.get((kind, seq_len))
+        if found is None:
+            found = self._read[kind, seq_len] = self._layered(kind, seq_len)
+        return found
+
+    def _layered(self, kind, seq_len):
         contexts = self.contexts[_group(kind)]
         if seq_len in contexts:
             return self.model.layered(kind, self.batch, seq_len)
