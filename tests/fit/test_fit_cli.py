@@ -97,7 +97,8 @@ def test_lora_without_peft_names_the_extra(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cli():
-    """The one command-line run (about 20 s): LoRA under bf16 autocast, the README's example."""
+    """The one command-line run (3-4 min on 2 cores, most of it the longest-context search): LoRA under bf16
+    autocast, the README's example."""
     return subprocess.run([sys.executable, "-m", "selective_ckpt.fit", "Llama-3.1-8B", "--gpu", "80GB", "--form",
                            "lora", "--autocast", "bfloat16", "--seq-len", "4096"],
                           capture_output=True, text=True, timeout=600)
