@@ -150,8 +150,11 @@ Problem make_problem(const std::array<int64_t, 7>& sizes, uintptr_t pad, uintptr
   p.G = p.H / p.Hkv;
   p.Dp = ceil_div(p.D, 16) * 16;
   p.Dvp = ceil_div(p.Dv, 16) * 16;
-  p.BM = g_block_q;
-  p.BN = g_block_k;
+  // A problem shorter than a tile gets a tile of its own length (rounded up to 16): each call zero-fills
+  // scratch sized by the tiles (Work), which at the default tiles costs more than a short problem's
+  // arithmetic. Every loop runs to the problem's rows and keys, so one tile either way gives the same bits.
+  p.BM = std::min<int64_t>(g_block_q, std::max<int64_t>(16, ceil_div(p.Sq, 16) * 16));
+  p.BN = std::min<int64_t>(g_block_k, std::max<int64_t>(16, ceil_div(p.Sk, 16) * 16));
   p.pad = as_ptr<const uint8_t>(pad);
   p.cu = as_ptr<const int32_t>(cu);
   p.ndocs = ndocs;

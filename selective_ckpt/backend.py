@@ -142,15 +142,15 @@ def call(op_family: str, fn: str, *args):
 # ---------------------------------------------------------------------------------------------
 # C++ adapters
 
-def _cpp_attention_problem(q, k, v, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks, q_offset):
-    """The arguments both C++ attention kernels share after the tensors and their strides (v's head dim may
-    differ from q and k's)."""
+def _cpp_attention_problem(q, k, v, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks):
+    """The arguments both C++ attention kernels share after the tensors and their strides, in the kernels'
+    order (key_padding_mask ... keep_scale), and the sizes (v's head dim may differ from q and k's). Passed by
+    position: pybind matches a keyword call's names one by one, a few microseconds a call."""
     B, H, Sq, D = q.shape
     n_docs = 0 if cu_seqlens is None else cu_seqlens.numel() - 1
     return ((B, H, k.shape[1], Sq, k.shape[2], D, v.shape[3]),
-            dict(key_padding_mask=_pointer(mask), cu_seqlens=_pointer(cu_seqlens), n_docs=n_docs, causal=causal,
-                 window=int(window or 0), scale=scale, softcap=float(softcap), seed=_pointer(seed), t16=t16,
-                 keep_scale=ks, q_offset=int(q_offset)))
+            (_pointer(mask), _pointer(cu_seqlens), n_docs, causal, int(window or 0), scale, float(softcap),
+             _pointer(seed), t16, ks))
 
 
 def _strides(t):
@@ -162,10 +162,10 @@ def _cpp_attention_forward(q, k, v, o, lse, mask, cu_seqlens, causal, window, sc
     """Blocked fp32 attention (csrc/attention.cpp): q, k, v, o by pointer and strides, any GQA group;
     sinks fp32 [H] contiguous or None."""
     sizes, problem = _cpp_attention_problem(q, k, v, mask, cu_seqlens, causal, window, scale, softcap, seed, t16,
-                                            ks, q_offset)
+                                            ks)
     _C.attention_forward(DTYPE_CODES[q.dtype], sizes, q.data_ptr(), _strides(q), k.data_ptr(), _strides(k),
-                         v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(), sinks=_pointer(sinks),
-                         **problem)
+                         v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(), *problem,
+                         int(q_offset), _pointer(sinks))
 
 
 def _cpp_attention_backward(do, q, k, v, o, lse, mask, cu_seqlens, causal, window, scale, softcap, seed, t16, ks, dq,
@@ -173,11 +173,11 @@ def _cpp_attention_backward(do, q, k, v, o, lse, mask, cu_seqlens, causal, windo
     """dq, dk, dv (contiguous) from do (contiguous); delta = rowsum(dO * O) is taken inside. With sinks
     (fp32 [H]) also dsinks (fp32 [H], summed over the batch)."""
     sizes, problem = _cpp_attention_problem(q, k, v, mask, cu_seqlens, causal, window, scale, softcap, seed, t16,
-                                            ks, q_offset)
+                                            ks)
     _C.attention_backward(DTYPE_CODES[q.dtype], sizes, do.data_ptr(), q.data_ptr(), _strides(q), k.data_ptr(),
-                          _strides(k), v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(),
-                          dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), sinks=_pointer(sinks),
-                          dsinks=_pointer(dsinks), **problem)
+                          _strides(k), v.data_ptr(), _strides(v), o.data_ptr(), _strides(o), lse.data_ptr(), *problem,
+                          dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), int(q_offset), _pointer(sinks),
+                          _pointer(dsinks))
 
 
 _CPP_ADAPTERS = {
