@@ -22,12 +22,19 @@ void dropout_rows(const T* x, T* y, int64_t rows, int64_t cols, const PhiloxKey&
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
     T* yr = y + r * cols;
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint32_t bits = elementwise_keep_bits8(key, uint64_t(g), uint64_t(r), t16);
-      const int64_t end = g * 8 + 8 < cols ? g * 8 + 8 : cols;
-      for (int64_t j = g * 8; j < end; ++j) {
-        const bool keep = (bits >> (j & 7)) & 1u;
-        Elem<T>::store(yr + j, Elem<T>::load(xr + j) * (keep ? s : Acc(0)));
+    // kPhiloxLanes column groups' draws at a time (side by side, so the rounds vectorise); the last
+    // batch may draw past the row, those bits unused.
+    for (int64_t g0 = 0; g0 < groups; g0 += kPhiloxLanes) {
+      uint32_t lanes[kPhiloxLanes];
+      elementwise_keep_bits8_lanes(key, uint64_t(g0), uint64_t(r), t16, lanes);
+      const int64_t stop = g0 + kPhiloxLanes < groups ? g0 + kPhiloxLanes : groups;
+      for (int64_t g = g0; g < stop; ++g) {
+        const uint32_t bits = lanes[g - g0];
+        const int64_t end = g * 8 + 8 < cols ? g * 8 + 8 : cols;
+        for (int64_t j = g * 8; j < end; ++j) {
+          const bool keep = (bits >> (j & 7)) & 1u;
+          Elem<T>::store(yr + j, Elem<T>::load(xr + j) * (keep ? s : Acc(0)));
+        }
       }
     }
   }

@@ -66,6 +66,22 @@ inline uint32_t keep_bits8(const PhiloxKey& key, uint32_t c0, uint32_t c1, uint3
 // (bits[l]). The lanes run with fixed trip counts, so the compiler vectorises the rounds in each of
 // the attention kernels' ISA variants (8 widening multiplies in two AVX2 instructions).
 constexpr int kPhiloxLanes = 8;
+
+// The keep bits of kPhiloxLanes Philox calls on counters (c0[l], c1[l], c2[l], c3[l]), side by side.
+inline void keep_bits8_lanes(const PhiloxKey& key, uint32_t c0[kPhiloxLanes], uint32_t c1[kPhiloxLanes],
+                             uint32_t c2[kPhiloxLanes], uint32_t c3[kPhiloxLanes], uint32_t t16,
+                             uint32_t bits[kPhiloxLanes]) {
+  uint32_t k0 = key.k0, k1 = key.k1;
+  for (int round = 0; round < 10; ++round) {
+#pragma omp simd
+    for (int l = 0; l < kPhiloxLanes; ++l) philox_round(c0[l], c1[l], c2[l], c3[l], k0, k1);
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
+  }
+#pragma omp simd
+  for (int l = 0; l < kPhiloxLanes; ++l) bits[l] = keep_bits_of(c0[l], c1[l], c2[l], c3[l], t16);
+}
+
 inline void attention_keep_bits8_lanes(const PhiloxKey& key, uint64_t g0, uint64_t dg, uint64_t row0,
                                        uint64_t drow, uint64_t batch_head, uint32_t t16,
                                        uint32_t bits[kPhiloxLanes]) {
@@ -76,15 +92,7 @@ inline void attention_keep_bits8_lanes(const PhiloxKey& key, uint64_t g0, uint64
     c2[l] = uint32_t(batch_head);
     c3[l] = 0u;
   }
-  uint32_t k0 = key.k0, k1 = key.k1;
-  for (int round = 0; round < 10; ++round) {
-#pragma omp simd
-    for (int l = 0; l < kPhiloxLanes; ++l) philox_round(c0[l], c1[l], c2[l], c3[l], k0, k1);
-    k0 += kPhiloxW0;
-    k1 += kPhiloxW1;
-  }
-#pragma omp simd
-  for (int l = 0; l < kPhiloxLanes; ++l) bits[l] = keep_bits_of(c0[l], c1[l], c2[l], c3[l], t16);
+  keep_bits8_lanes(key, c0, c1, c2, c3, t16, bits);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -175,10 +183,18 @@ __attribute__((target("avx2"))) inline void attention_keep_bits8_x8(const Philox
 #pragma GCC diagnostic pop
 #endif
 
-// Elementwise stream over [rows, cols]: counter (j >> 3, row & 0xffffffff, row >> 32, 1).
-inline uint32_t elementwise_keep_bits8(const PhiloxKey& key, uint64_t col_group, uint64_t row,
-                                       uint32_t t16) {
-  return keep_bits8(key, uint32_t(col_group), uint32_t(row), uint32_t(row >> 32), 1u, t16);
+// Elementwise stream over [rows, cols]: counter (j >> 3, row & 0xffffffff, row >> 32, 1). The keep bits of
+// column groups g0 ... g0 + kPhiloxLanes - 1 of one row, side by side (bits[l]: group g0 + l).
+inline void elementwise_keep_bits8_lanes(const PhiloxKey& key, uint64_t g0, uint64_t row, uint32_t t16,
+                                         uint32_t bits[kPhiloxLanes]) {
+  uint32_t c0[kPhiloxLanes], c1[kPhiloxLanes], c2[kPhiloxLanes], c3[kPhiloxLanes];
+  for (int l = 0; l < kPhiloxLanes; ++l) {
+    c0[l] = uint32_t(g0 + uint64_t(l));
+    c1[l] = uint32_t(row);
+    c2[l] = uint32_t(row >> 32);
+    c3[l] = 1u;
+  }
+  keep_bits8_lanes(key, c0, c1, c2, c3, t16, bits);
 }
 
 }  // namespace sckpt
