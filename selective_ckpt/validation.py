@@ -66,12 +66,12 @@ def check_norm_args(x, weight, bias, eps):
 
 def check_choice(value, name, choices):
     """choices[value] for a str naming one of `choices` (a dict name -> kernel code)."""
+    if isinstance(value, str) and value in choices:
+        return choices[value]
     names = " or ".join(map(repr, choices))
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, {names}, got {type(value).__name__}")
-    if value not in choices:
-        raise ValueError(f"{name} must be {names}, got {value!r}")
-    return choices[value]
+    raise ValueError(f"{name} must be {names}, got {value!r}")
 
 
 def check_bool(value, name):
