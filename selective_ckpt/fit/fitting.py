@@ -319,7 +319,8 @@ def _longest_plan(proj, budgets, limit, known, rates=None):
         longest = _search(fits, known + 1, limit)
     if rates is None or longest >= limit or longest == 0:
         return longest
-    return _search(lambda s: plan_at(proj, s, gpu_bytes, host_bytes, rates)[0] is not None, longest + 1, limit)
+    host = float("inf") if host_bytes is None else host_bytes
+    return _search(lambda s: search(proj, s, gpu_bytes, host, rates, first_fit=True), longest + 1, limit)
 
 
 def _search(fits, guess, limit):

@@ -185,27 +185,31 @@ def uniform_candidates(proj, seq_len):
     return out
 
 
-def _evaluate(proj, seq_len, layout, prefetch, rates, head_and_optimizer):
-    """(Variant, seconds, (forward, backward seconds)) of `layout`: [(candidate, layers)] in layer order."""
+def _evaluate(proj, seq_len, layout, prefetch, rates, head_and_optimizer, timed=True):
+    """(Variant, seconds, (forward, backward seconds)) of `layout`: [(candidate, layers)] in layer order; with
+    timed=False the Variant alone (whether a layout fits needs no time: the bisections ask only that)."""
     L = proj.num_layers
     modes, layered, offloaded = [], {}, {}
-    forward, backward, to_host = [], [], []
     for key, (cand, n) in enumerate(layout):  # keyed by position: hashing policies costs more than the rest
         modes += [key] * n
         layered[key] = proj.layered(cand.kind, seq_len)
         offloaded[key] = cand.to_host
-        forward += [cand.forward] * n
-        backward += [cand.backward] * n
-        to_host += [cand.to_host] * n
-    to_host[0] = layout[0][0].first_to_host
     v = _variant("ours plan", layered, modes, L, offloaded, prefetch, layout[0][0].first_to_host)
+    if not timed:
+        return v
     v.modes = [cand.policy for cand, n in layout for _ in range(n)]
+    forward = [cand.forward for cand, n in layout for _ in range(n)]
+    backward = [cand.backward for cand, n in layout for _ in range(n)]
+    to_host = [cand.to_host for cand, n in layout for _ in range(n)]
+    to_host[0] = layout[0][0].first_to_host
     fwd, bwd = timing.offload_times(forward, backward, to_host, rates, prefetch)
     return v, fwd + bwd + head_and_optimizer, (fwd, bwd)
 
 
-def search(proj, seq_len, gpu_bytes, host_bytes, rates):
-    """The fastest Plan for the model of `proj` (arithmetic._Projection) at `seq_len`; PlanError when none fits."""
+def search(proj, seq_len, gpu_bytes, host_bytes, rates, first_fit=False):
+    """The fastest Plan for the model of `proj` (arithmetic._Projection) at `seq_len`; PlanError when none fits.
+    `first_fit`: only whether a plan fits (True or False), answered at the first layout of the search that fits (the
+    longest-context search asks only that)."""
     if not isinstance(proj, _Projection):
         raise TypeError(f"proj must be an arithmetic._Projection, got {type(proj).__name__}")
     L = proj.num_layers
@@ -231,6 +235,8 @@ def search(proj, seq_len, gpu_bytes, host_bytes, rates):
 
     for c, prefetch, v, t in uniform:
         consider([(c, L)], prefetch, v, t)
+    if first_fit and best is not None:
+        return True
     # pairs: a candidate faster than the best uniform plan (too big alone) on some layers, another on the rest,
     # both among those no other candidate beats on device bytes, host bytes and time at once
     items = [(c, v.peak, v.host, t) for c, prefetch, v, t in uniform if prefetch == 1]
@@ -252,7 +258,7 @@ def search(proj, seq_len, gpu_bytes, host_bytes, rates):
                 return [(f, k), (m, L - k)] if f_first else [(m, L - k), (f, k)]
 
             def fits(k, layout=layout, prefetch=prefetch):
-                v, _, _ = _evaluate(proj, seq_len, layout(k), prefetch, rates, fixed_time)
+                v = _evaluate(proj, seq_len, layout(k), prefetch, rates, fixed_time, timed=False)
                 return v.host <= host_bytes and _fits(v.peak, gpu_bytes)
 
             # as many layers of the faster one as fit: more of the larger one hold more (bisection)
@@ -263,6 +269,10 @@ def search(proj, seq_len, gpu_bytes, host_bytes, rates):
             for k in {lo, hi} - {0, L}:
                 v, t, _ = _evaluate(proj, seq_len, layout(k), prefetch, rates, fixed_time)
                 consider(layout(k), prefetch, v, t)
+                if first_fit and best is not None:
+                    return True
+    if first_fit:
+        return False
     if best is None:
         least = min(uniform, key=lambda u: (u[2].peak, u[2].host))
         need_gpu = int(least[2].peak * (1 + ALLOCATOR_SHARE)) + 1

@@ -163,6 +163,31 @@ def test_a_plan_that_cannot_fit_names_the_least_budget():
     assert isinstance(err.value, ValueError)
 
 
+def test_first_fit_says_whether_the_search_finds_a_plan():
+    """search(first_fit=True), which the longest-context search asks at each context, is True exactly where the full
+    search returns a plan, over budgets from below the least any plan needs to roomy, with and without host memory."""
+    from selective_ckpt.fit.arithmetic import _Model, _Projection
+    from selective_ckpt.fit.planner import search
+
+    mixed = 0
+    for form in FORMS.values():
+        proj = _Projection(_Model(_config(), form), BATCH)
+        proj.simulate(SEQ)
+        with pytest.raises(PlanError) as err:
+            search(proj, SEQ, 1000, 1 << 40, FAST)
+        need = err.value.min_gpu_bytes
+        copied = search(proj, SEQ, need, 1 << 40, SLOW).host_bytes  # host bytes of the leanest plan
+        for gpu in [int(need * f) for f in (0.9, 0.99, 1.0, 1.02, 1.05, 1.1, 1.25, 2.5)]:
+            for host in (0, copied // 4, copied // 2, 3 * copied // 4, 1 << 40):
+                try:
+                    plan = search(proj, SEQ, gpu, host, SLOW)
+                    mixed += len(set(plan)) > 1
+                except PlanError:
+                    plan = None
+                assert search(proj, SEQ, gpu, host, SLOW, first_fit=True) is (plan is not None), (form, gpu, host)
+    assert mixed  # budgets where the plan runs two policies: the search's pairs are reached
+
+
 def test_plan_of_a_model_reads_its_form_and_applies():
     form = FORMS["lora bf16 autocast"]
     model = _model(form)
