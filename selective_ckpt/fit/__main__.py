@@ -127,6 +127,8 @@ host memory or rebuild, within --gpu and --host); either way each variant's long
 listed (the largest that fits, the next one not).
 --host is the pinned host memory offloading may use (default: half of this machine's memory).
 --rates names the card whose rates predict step times (default: the --gpu card, else H200).
+Simulated steps are kept for the next run of the same config and form in ~/.cache/selective_ckpt/fit
+($XDG_CACHE_HOME; SELECTIVE_CKPT_FIT_CACHE=DIR puts them elsewhere, =off keeps none).
 Needs transformers and peft: {HF_EXTRA}."""
 
 

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 
 from .. import compat, keeping
-from . import simulate
+from . import simulate, step_cache
 from .forms import TrainingForm
 
 TRANSFORMERS_OFFLOADED = "transformers + offloaded checkpointing"
@@ -185,6 +185,22 @@ class _Model:
         return {k: _mean([(w, run[k]) for w, run in runs]) for k in runs[0][1]}
 
     def _simulate(self, layers, kinds, batch, seq_len, layer_types=None):
+        """{kind: Step} of `kinds` simulated together with `layers` decoder layers (kept on disk: step_cache)."""
+        name = step_cache.key(self.config, self.form, kinds, batch, seq_len, layers, layer_types)
+        found = step_cache.load(name, kinds)
+        if found is not None:
+            out, class_bytes = found
+            for mode, split in class_bytes.items():
+                self._class_bytes.setdefault(mode, split)
+            return out
+        learned = {}
+        out = self._simulate_here(layers, kinds, batch, seq_len, layer_types, learned)
+        for mode, split in learned.items():
+            self._class_bytes.setdefault(mode, split)
+        step_cache.store(name, kinds, out, learned)
+        return out
+
+    def _simulate_here(self, layers, kinds, batch, seq_len, layer_types, class_bytes):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from ..models.moe import even_routing
@@ -219,7 +235,9 @@ class _Model:
                 set_recompute(model, mode)
                 out[mode] = simulate.run_step(model, batch, seq_len, autocast)
                 if layers == 2:
-                    self._class_bytes.setdefault(keeping.resolve(mode).recompute, _class_bytes(model, autocast))
+                    recompute = keeping.resolve(mode).recompute
+                    if recompute not in class_bytes:
+                        class_bytes[recompute] = _class_bytes(model, autocast)
         return out
 
     def class_bytes(self, mode):
