@@ -226,9 +226,10 @@ def test_bad_input_names_the_field():
         TrainingForm("lora", lora_dropout=1.0)
 
 
+# the form of test_fit_longest's Llama case: a session simulates its steps once (tests/conftest.py)
 def test_command_line_prints_every_part():
     out = subprocess.run([sys.executable, "-m", "selective_ckpt.fit", "Llama-3.1-8B", "--gpu", "80GB",
-                          "--form", "qlora", "--autocast", "bfloat16", "--seq-len", "8192"],
+                          "--form", "qlora", "--seq-len", "8192"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     for part in ("weights", "gradients", "optimizer state", "kept per layer", "loss head transient",
                  "layer backward transient",

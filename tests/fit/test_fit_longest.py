@@ -42,14 +42,9 @@ def _checks(config, form):
     return out
 
 
-@pytest.fixture(scope="module")
-def checked():
-    return {case: _checks(*CASES[case]) for case in CASES}
-
-
 @pytest.mark.parametrize("case", CASES)
-def test_longest_context_fits_and_the_next_token_does_not(checked, case):
-    rows = checked[case]
+def test_longest_context_fits_and_the_next_token_does_not(case):
+    rows = _checks(*CASES[case])
     assert any(longest == 0 for _, _, longest, *_ in rows), "a tight budget leaves some row no context"
     assert any(0 < longest for _, _, longest, *_ in rows)
     for m, name, longest, at, past, fits_row, seq_len in rows:
