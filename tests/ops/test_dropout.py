@@ -10,7 +10,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(7, 45), (3, 5, 17), (1,), (2, 1, 8), (3, 150)])  # 150: 19 column groups, past one batch of draws
+# (3, 150): 19 column groups of 8, more than one batch of side-by-side draws
+@pytest.mark.parametrize("shape", [(7, 45), (3, 5, 17), (1,), (2, 1, 8), (3, 150)])
 def test_forward_and_backward_match_contract(backend, dtype, shape):
     seed, p = 0xDEADBEEF_12345678, 0.17
     x = torch.randn(shape, dtype=torch.float64).to(dtype).requires_grad_()
