@@ -49,21 +49,23 @@ def _package_source():
 
 @functools.cache
 def _versions():
-    import peft
-    import torch
-    import transformers
+    """The versions of the libraries whose code runs in a simulated step (None for one not installed: a full fine-tune
+    needs no peft)."""
+    import importlib
 
-    return torch.__version__, transformers.__version__, peft.__version__
+    found = []
+    for name in ("torch", "transformers", "peft"):
+        try:
+            found.append(importlib.import_module(name).__version__)
+        except ImportError:
+            found.append(None)
+    return tuple(found)
 
 
 def key(config, form, kinds, batch, seq_len, layers, layer_types):
     """The entry's name: the SHA-256 of everything a simulated step depends on (the module doc)."""
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith("SELECTIVE_CKPT_") and k != CACHE_ENV)
-    try:
-        versions = _versions()
-    except ImportError:  # without peft a LoRA form is refused before any simulation; a full one does not need it
-        versions = None
-    parts = [_FORMAT, _package_source(), versions, config.to_json_string(use_diff=False),
+    parts = [_FORMAT, _package_source(), _versions(), config.to_json_string(use_diff=False),
              compat.requested_attention_implementation(config),
              compat.requested_experts_implementation(config) if compat.names_experts_implementation(config) else None,
              repr(form), [repr(k) for k in kinds], batch, seq_len, layers, layer_types, env]

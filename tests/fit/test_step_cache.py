@@ -60,6 +60,10 @@ def test_the_key_changes_with_what_a_step_depends_on(monkeypatch):
               _key(layer_types=["full_attention"])]
     monkeypatch.setenv("SELECTIVE_CKPT_ATTENTION", "ours")
     others.append(_key())
+    monkeypatch.setattr(step_cache, "_versions", lambda: ("2.0.0", "4.0.0", None))  # another torch, no peft
+    others.append(_key())
+    monkeypatch.setattr(step_cache, "_package_source", lambda: "0" * 64)  # a line of this package changed
+    others.append(_key())
     assert len(set(others)) == len(others) and base not in others
 
 
