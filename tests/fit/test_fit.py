@@ -164,8 +164,7 @@ def test_predicted_peak_within_5_percent(family, form, variant, tmp_path, record
 def test_bundled_configs_load_and_project():
     for name in BUNDLED:
         assert load_config(name).num_hidden_layers > 0
-    r = fit("Llama-3.1-8B", 80e9, batch=1, seq_len=4096,
-            form=TrainingForm("lora", autocast=torch.bfloat16, rank=16))
+    r = fit("Llama-3.1-8B", 80e9, batch=1, seq_len=4096, form=TrainingForm("qlora"))  # test_fit_longest's Llama form
     peaks = {k: v.peak for k, v in r.variants.items()}
     assert peaks["ours selective"] < peaks["ours none"] < peaks["transformers"]
     assert peaks["ours full"] < peaks["ours selective"]
@@ -226,7 +225,7 @@ def test_bad_input_names_the_field():
         TrainingForm("lora", lora_dropout=1.0)
 
 
-# the form of test_fit_longest's Llama case: a session simulates its steps once (tests/conftest.py)
+# QLoRA, as every Llama-3.1-8B fit of the tests: a session simulates its steps once (tests/conftest.py)
 def test_command_line_prints_every_part():
     out = subprocess.run([sys.executable, "-m", "selective_ckpt.fit", "Llama-3.1-8B", "--gpu", "80GB",
                           "--form", "qlora", "--seq-len", "8192"],

@@ -97,10 +97,11 @@ def test_lora_without_peft_names_the_extra(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cli():
-    """The one command-line run (3-4 min on 2 cores, most of it the longest-context search): LoRA under bf16
-    autocast, the README's example."""
+    """The one command-line run (2-3 min on 2 cores, most of it the longest-context search): QLoRA, the form of
+    test_fit_longest's Llama case and of the other Llama-3.1-8B fits here, whose steps a test session simulates once
+    (tests/conftest.py)."""
     return subprocess.run([sys.executable, "-m", "selective_ckpt.fit", "Llama-3.1-8B", "--gpu", "80GB", "--form",
-                           "lora", "--autocast", "bfloat16", "--seq-len", "4096"],
+                           "qlora", "--seq-len", "4096"],
                           capture_output=True, text=True, timeout=600)
 
 
@@ -123,8 +124,21 @@ def test_the_answer_ends_with_the_calls_that_apply_it(cli):
         assert part in text, part
     tail = "\n".join(lines[lines.index(next(x for x in lines if x.startswith("recommendation"))):])
     assert tail == "\n".join(lines[-len(tail.split("\n")):])
-    assert "selective_ckpt.convert(model" in tail
-    assert "activation_checkpointing=False" in tail and "bf16=True" in tail
+    assert "selective_ckpt.convert(model" in tail and "activation_checkpointing=False" in tail
+    assert "prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)" in tail  # QLoRA's
+
+
+def test_the_trainer_flag_names_the_autocast_precision():
+    """The recommendation's Trainer flags carry bf16=True / fp16=True for autocast over float32 weights, nothing for
+    weights stored in 16 bits (Trainer's flags are for mixed precision)."""
+    import torch
+
+    from selective_ckpt.fit.report import _precision
+
+    assert _precision(TrainingForm("lora", autocast=torch.bfloat16)) == ", bf16=True"
+    assert _precision(TrainingForm("full", autocast=torch.float16)) == ", fp16=True"
+    assert _precision(TrainingForm("qlora")) == ""
+    assert _precision(TrainingForm("full", weights=torch.bfloat16, autocast=torch.bfloat16)) == ""
 
 
 def test_a_plan_that_does_not_fit_is_not_called_unmodelled(tmp_path):

@@ -76,10 +76,10 @@ def test_long_context_variants_within_5_percent(form, variant):
 
 
 def test_offloading_inputs_lengthens_the_longest_context():
-    r = fit("Llama-3.1-8B", 80e9, seq_len=8192, form=TrainingForm("lora", rank=16, autocast=torch.bfloat16))
+    r = fit("Llama-3.1-8B", 80e9, seq_len=8192, form=TrainingForm("qlora"))  # test_fit_longest's Llama form
     assert r.variants["ours full, inputs offloaded"].peak < r.variants["ours full"].peak
     assert r.variants["ours attention-kept, inputs offloaded"].peak < r.variants["ours attention-kept"].peak
-    # the inputs of every layer but the last: 31 x 8192 x 4096 fp32 (the residual stream under autocast)
+    # the inputs of every layer but the last: 31 x 8192 x 4096 fp32 (QLoRA's residual stream)
     assert r.variants["ours full, inputs offloaded"].host == 31 * 8192 * 4096 * 4
     assert r.max_context["ours full, inputs offloaded"] >= r.max_context["ours full"]
     assert r.max_context["ours attention-kept"] > r.max_context["ours selective"]
