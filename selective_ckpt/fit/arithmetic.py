@@ -41,7 +41,8 @@ _SIMULATED = {"transformers": "transformers", "transformers + gradient checkpoin
 _INPUTS_OFFLOADED = {TRANSFORMERS_OFFLOADED: "checkpointing", "ours full, inputs offloaded": "full",
                      "ours attention-kept, inputs offloaded": "attention-kept"}
 ALLOCATOR_SHARE = 0.05  # the caching allocator's rounding and fragmentation, as a share of the peak
-PROGRESS = None  # a callable taking a line, told of each simulation as it starts (the CLI's stderr), or None
+PROGRESS = None  # a callable taking a line, told of each simulation as it starts (the CLI's stderr), or None;
+# steps read from disk (step_cache) are not told
 
 NOT_MODELLED = (
     "CUDA context and kernel workspaces (cuBLAS, the fused attention's scratch): outside the caching allocator",
@@ -157,8 +158,6 @@ class _Model:
         """_Layered of one simulated kind ("transformers", "checkpointing", "none", "selective", "full")."""
         if (kind, batch, seq_len) not in self._steps:
             kinds = _kinds(_group(kind))
-            if PROGRESS is not None:
-                PROGRESS(f"simulating {', '.join(map(str, kinds))} at {batch} x {seq_len} tokens")
             steps = {k: [] for k in kinds}
             for layers in (1, 2):
                 for k, step in self._simulate_layers(layers, kinds, batch, seq_len).items():
@@ -193,6 +192,9 @@ class _Model:
             for mode, split in class_bytes.items():
                 self._class_bytes.setdefault(mode, split)
             return out
+        if PROGRESS is not None:  # only what is simulated: steps on disk are read without a word
+            PROGRESS(f"simulating {', '.join(map(str, kinds))} at {batch} x {seq_len} tokens, {layers} layer"
+                     + ("s" if layers > 1 else ""))
         learned = {}
         out = self._simulate_here(layers, kinds, batch, seq_len, layer_types, learned)
         for mode, split in learned.items():

@@ -49,15 +49,15 @@ def _package_source():
 
 @functools.cache
 def _versions():
-    """The versions of the libraries whose code runs in a simulated step (None for one not installed: a full fine-tune
-    needs no peft)."""
-    import importlib
+    """The installed versions of the libraries whose code runs in a simulated step, read from their metadata without
+    importing them (None for one not installed: a full fine-tune needs no peft)."""
+    from importlib import metadata
 
     found = []
     for name in ("torch", "transformers", "peft"):
         try:
-            found.append(importlib.import_module(name).__version__)
-        except ImportError:
+            found.append(metadata.version(name))
+        except metadata.PackageNotFoundError:
             found.append(None)
     return tuple(found)
 
