@@ -18,7 +18,8 @@ p20/p80, then 16 packed documents of 256 (cu_seqlens) against one document of 40
 `--backends` times the kernels selective_ckpt.attention can dispatch to on this device, each forced through the op
 (set_attention_backend): ours against PyTorch's (on CPU its flash kernel), fwd+bwd interleaved round by round on the
 same grid (`--seqs`, `--dims`, `--dtypes`, `--full`; `--gqa 4` gives k, v a quarter of the heads), and names the
-kernel "auto" runs for each row: the measurement the CPU default follows (ops/attention_dispatch.py, CPU_AUTO).
+kernel "auto" runs for each row, timed as the default setting runs it: the measurement the CPU default follows
+(ops/attention_dispatch.py, CPU_FLASH_BELOW).
 """
 
 import argparse
@@ -266,9 +267,10 @@ def run_backends(args):
     print(f"CPU: {cpu_name()}")
     print(f"selective_ckpt.attention's kernels on CPU, forced: B={B} H={H} Hkv={Hkv}, {args.rounds} interleaved "
           f"rounds (torch threads {torch.get_num_threads()}); fwd+bwd ms median [p20, p80], ratio = PyTorch's / ours "
-          f"per round (> 1: ours faster); auto = the kernel the default setting runs")
+          f"per round (> 1: ours faster); auto = the kernel the default setting runs, timed as the default runs it "
+          f"(the CPU flash kernel under its own autograd node where it runs it), auto / ours per round")
     print(f"{'S':>6} {'D':>4} {'mask':>6} {'dtype':>5} {'ours ms':>26} {'sdpa_cpu_flash ms':>26} "
-          f"{'ratio':>22} {'auto':>15}")
+          f"{'ratio':>22} {'auto':>15} {'auto ms':>26} {'auto / ours':>22}")
 
     def forced(name, causal):
         def fn(q, k, v):
@@ -285,7 +287,8 @@ def run_backends(args):
                         grad = torch.randn(B, H, S, D, dtype=DTYPES[dt])
                         split = lambda t: [t[:, :, a:b].permute(0, 2, 1, 3)  # noqa: E731
                                            for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv))]
-                        fns = {"ours": forced("ours", causal), "sdpa": forced("sdpa", causal)}
+                        fns = {"ours": forced("ours", causal), "sdpa": forced("sdpa", causal),
+                               "auto": forced("auto", causal)}
                         times = {n: [] for n in fns}
                         for r in range(1 + args.rounds):
                             for n in (list(fns) if r % 2 == 0 else list(reversed(fns))):
@@ -295,11 +298,14 @@ def run_backends(args):
                                 if r:
                                     times[n].append(time.perf_counter() - t0)
                         ratio = quantiles([a / b for a, b in zip(times["sdpa"], times["ours"])])
+                        vs = quantiles([a / b for a, b in zip(times["auto"], times["ours"])])
                         selective_ckpt.set_attention_backend("auto")
                         auto = attention_dispatch.choose_for(*split(qkv)[:2], None, None, causal, 0, 0.0, 0.0, 0)
                         print(f"{S:>6} {D:>4} {'causal' if causal else 'none':>6} {dt:>5} "
                               f"{fmt(quantiles(times['ours'])):>26} {fmt(quantiles(times['sdpa'])):>26} "
-                              f"{ratio[1]:>8.3f} [{ratio[0]:.3f}, {ratio[2]:.3f}] {auto:>15}", flush=True)
+                              f"{ratio[1]:>8.3f} [{ratio[0]:.3f}, {ratio[2]:.3f}] {auto:>15} "
+                              f"{fmt(quantiles(times['auto'])):>26} {vs[1]:>8.3f} [{vs[0]:.3f}, {vs[2]:.3f}]",
+                              flush=True)
     finally:
         selective_ckpt.set_attention_backend(setting)
 

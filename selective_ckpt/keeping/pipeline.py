@@ -199,6 +199,7 @@ class _LayerPipeline:
         self.tags = {}  # storage_id -> (weakref to a tensor of that storage, class)
         self.observer = observer  # the observing context's recorder (memory.ledger), or None
         self.classify = self.engine is not None or observer is not None  # else classes decide nothing
+        self.saving = None  # the class of untagged saves while saving_as names one
         # Casts followed through the autograd graph (see _cast_by_graph): the edge (grad_fn, output_nr) of every
         # registered or tagged tensor -> (weakref to it, its version then)
         self.by_graph = False
@@ -439,6 +440,8 @@ class _LayerPipeline:
             cls = self.class_of(t)
             if cls == OTHER and self.by_graph and not self.learning:
                 cls = self._class_by_graph(t)
+            if cls == OTHER and self.saving is not None:
+                cls = self.saving
             if self.engine is not None and self.policy.action(cls) == "offload" and _offloadable(t):
                 handle = self.engine.offload(t)
                 if self.observer is not None:
@@ -680,6 +683,17 @@ def tag(t, cls, if_untagged=False):
     if current is not None and isinstance(t, torch.Tensor):
         current.tag(t, cls, if_untagged)
     return t
+
+
+def saving_as(cls):
+    """Names the class of the tensors saved from now on that have none (neither tagged nor followed to a source),
+    for code that cannot tag what an op saves before it saves it (the outputs of an aten op under its own autograd
+    node); `saving_as(previous)` ends it. Returns the previous such class (None: none named, or no pipeline)."""
+    current = _current()
+    if current is None:
+        return None
+    previous, current.saving = current.saving, cls
+    return previous
 
 
 def active():

@@ -20,7 +20,7 @@ from ..double_backward import first_order_only
 from ..keeping import pipeline
 from ..validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_bool
 from . import attention_dispatch
-from .eager import fast_eager
+from .eager import eager_ok, fast_eager
 
 
 def _output(q, v):
@@ -282,6 +282,35 @@ def check_sinks(sinks, q, name="sinks"):
     return sinks
 
 
+def _cpu_flash_as_itself(q, k, v, causal, scale):
+    """o from PyTorch's CPU flash kernel under its own autograd node, where "auto" picks that kernel for the call
+    (attention_dispatch.CPU_FLASH_BELOW), or None. The node keeps q, k, v, o and the logsumexp, what the op keeps
+    with that kernel (the same bytes; its backward is the kernel's own), without the op's Python, which at such
+    lengths is most of a call. The kernel lays o out as q, so q must be [B, S, H, D] in memory (as a projection's
+    output viewed into heads is) for o to be the op's buffer. The layer pipeline learns the classes as from the
+    op: q, k, v are tagged before the call, and what the node saves untagged (o, lse) is "attention". Left to the
+    op: other layouts, a forced "sdpa" (the op's path, which its tests hold), autocast, and wherever the op's direct
+    path would not run (torch.compile, dispatch modes, subclasses). The choice reads only the call and the setting,
+    so a checkpoint's re-run of the forward makes the same one."""
+    if not attention_dispatch.cpu_auto_flash(q.dtype, k.shape[2]) or backend.attention_setting() != "auto":
+        return None
+    if not q.transpose(1, 2).is_contiguous():  # the kernel lays o out as q: the op copies it into its buffer
+        return None
+    if torch.is_autocast_enabled("cpu") or not eager_ok((q, k, v)):
+        return None
+    if attention_dispatch.choose_for(q, k, None, None, causal, 0, 0.0, 0.0, 0) != attention_dispatch.CPU_FLASH:
+        return None
+    for t in (q, k, v):
+        pipeline.tag(t, "qkv")
+    previous = pipeline.saving_as("attention")
+    try:
+        o, lse = attention_dispatch.cpu_flash_as_itself(q, k, v, causal, scale)
+    finally:
+        pipeline.saving_as(previous)
+    pipeline.tag(o, "attention")  # a source a later cast is followed to (pipeline.scope's memo)
+    return o  # [B, H, Sq, D] over the [B, Sq, H, D] buffer the kernel allocates, as the op's view
+
+
 def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padding_mask=None, seed=None, *,
               sliding_window=None, cu_seqlens=None, softcap=None, q_offset=0, sinks=None):
     """softmax(q k^T * softmax_scale + masks), dropped out, times v: o [B, H, Sq, Dv].
@@ -318,6 +347,11 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     scale = _check_scale(softmax_scale, q.shape[-1])
     cap = check_softcap(softcap)
     sinks = check_sinks(sinks, q)
+    if (q.is_cpu and mask is None and cu_seqlens is None and not window and not offset and not dropout_p and not cap
+            and sinks is None and v.shape[-1] == q.shape[-1]):
+        o = _cpu_flash_as_itself(q, k, v, causal, scale)
+        if o is not None:
+            return o
     seed = rng.site_seed(dropout_p, seed, q.device)
     o, _ = attention_fwd_op(q, k, v, mask, cu_seqlens, causal, window, float(dropout_p), scale, seed, cap, offset,
                             sinks)

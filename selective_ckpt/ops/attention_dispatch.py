@@ -28,10 +28,12 @@ CPU_FLASH = "sdpa_cpu_flash"  # aten._scaled_dot_product_flash_attention_for_cpu
 FLASH = "sdpa_flash"  # aten._flash_attention_forward: FlashAttention-2, dense or varlen (PyTorch's varlen_attn)
 EFFICIENT = "sdpa_efficient"  # aten._efficient_attention_forward: the memory-efficient (cutlass) kernel
 
-# Measured ours against the CPU flash kernel through the op, fwd+bwd (bench.attention --backends; docs/kernels/
-# attention.md, "Backends"): on an AMD EPYC ours was 1.08-2x faster at every S >= 256 (D 64 and 128, fp32 and bf16,
-# causal and not, GQA), so "auto" on CPU runs ours; "sdpa" forces the CPU flash kernel.
-CPU_AUTO = OURS
+# Measured ours against the CPU flash kernel, fwd+bwd (bench.attention --backends; docs/kernels/attention.md,
+# "Backends"): on an AMD EPYC ours was faster in bf16 at every length (1.7-2.5x) and in fp32 from 256 keys on; below
+# 256 keys in fp32 the CPU flash kernel was (1.2-2x, most of it the C++ autograd node it runs under, which skips
+# our Python). So "auto" on CPU runs the CPU flash kernel for fp32 calls with fewer keys than CPU_FLASH_BELOW that
+# it expresses, ours for the rest; "sdpa" forces the CPU flash kernel wherever it expresses the call.
+CPU_FLASH_BELOW = 256
 
 _log = logging.getLogger("selective_ckpt")
 
@@ -62,6 +64,11 @@ class Call(NamedTuple):
 def _bottom_right(c):
     """Whether the query rows are the last Sq key positions: FlashAttention's causal and window alignment."""
     return c.q_offset + c.sq == c.sk
+
+
+def cpu_auto_flash(dtype, sk):
+    """Whether "auto" on CPU prefers the CPU flash kernel for a call of `dtype` over `sk` keys (CPU_FLASH_BELOW)."""
+    return dtype == torch.float32 and sk < CPU_FLASH_BELOW
 
 
 def cpu_flash_expresses(c):
@@ -108,7 +115,7 @@ def choose(c, setting="auto"):
     if setting == OURS or c.dropout or c.softcap or c.extra or c.sq == 0:
         return OURS
     if c.device == "cpu":
-        if setting == "auto" and CPU_AUTO == OURS:
+        if setting == "auto" and not cpu_auto_flash(c.dtype, c.sk):
             return OURS
         if setting in ("auto", "sdpa", CPU_FLASH) and cpu_flash_expresses(c):
             return CPU_FLASH
@@ -140,7 +147,7 @@ _logged = set()
 def choose_for(q, k, mask, cu_seqlens, causal, window, dropout_p, softcap, q_offset, extra=False):
     """choose() for the op's arguments under the current setting; the first call of each kind logs its choice."""
     setting = backend.attention_setting()
-    if setting == OURS or (q.is_cpu and setting == "auto" and CPU_AUTO == OURS):  # nothing to choose
+    if setting == OURS or (q.is_cpu and setting == "auto" and not cpu_auto_flash(q.dtype, k.shape[2])):  # ours
         if not _log.isEnabledFor(logging.DEBUG):
             return OURS
     device = q.device.type
@@ -234,6 +241,12 @@ def forward(name, q, k, v, mask, cu_seqlens, causal, window, scale, q_offset):
             out.masked_fill_(~mask.any(-1)[:, None, None, None], 0)
         return _buffer(out), lse
     raise ValueError(f"unknown attention kernel {name!r}")
+
+
+def cpu_flash_as_itself(q, k, v, causal, scale):
+    """(o, lse) of the CPU flash kernel called as the aten op it is, under its own autograd node (no padding mask,
+    no offset): o [B, H, Sq, D] over the [B, Sq, H, D] buffer it allocates, lse in its own [B, Sq, H] layout."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
 @contextlib.contextmanager

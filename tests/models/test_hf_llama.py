@@ -118,3 +118,20 @@ def test_layer_keeps_the_floor(dropout):
     assert ours == ids.numel() * per_token + seeds
     assert kept_all == ours + ids.numel() * 4 * (2 * h + ffn)  # both norm outputs and silu(gate) * up
     assert sdpa > kept_all
+
+
+def test_fp32_auto_runs_the_cpu_flash_kernel_as_itself_and_matches_float64(monkeypatch):
+    """A short fp32 batch without padding under the default setting: every layer's attention runs PyTorch's CPU flash
+    kernel under its own autograd node (ops/attention_dispatch.py, CPU_FLASH_BELOW), and the converted model meets the
+    rule against float64, as with our kernel."""
+    from selective_ckpt import backend
+    from selective_ckpt.ops import attention_dispatch
+
+    monkeypatch.setenv(backend.ATTENTION_ENV, "auto")
+    calls = []
+    itself = attention_dispatch.cpu_flash_as_itself
+    monkeypatch.setattr(attention_dispatch, "cpu_flash_as_itself", lambda *a: calls.append(1) or itself(*a))
+    ref, plain, ours = triple(build())
+    ids = batch(pad_rows=False)[0]
+    hf_checks.assert_matches_reference(ref, plain, ours, input_ids=ids)
+    assert len(calls) == ours.config.num_hidden_layers

@@ -31,6 +31,8 @@ def ran(monkeypatch):
     for step in ("forward", "backward"):
         real = getattr(dispatch, step)
         monkeypatch.setattr(dispatch, step, lambda name, *a, _s=step, _f=real: log.append((_s, name)) or _f(name, *a))
+    itself = dispatch.cpu_flash_as_itself
+    monkeypatch.setattr(dispatch, "cpu_flash_as_itself", lambda *a: log.append(("itself", CPU_FLASH)) or itself(*a))
     return log
 
 
@@ -104,7 +106,11 @@ def test_cuda_choice(c, name, expected, why):
 
 
 CPU_TABLE = [
-    (call(device="cpu", capability=()), "auto", dispatch.CPU_AUTO, "auto follows the measurement"),
+    (call(device="cpu", capability=()), "auto", OURS, "auto: bf16 is ours at every length"),
+    (call(device="cpu", capability=(), dtype=F32, Sq=255, Sk=255), "auto", CPU_FLASH, "auto: fp32, few keys"),
+    (call(device="cpu", capability=(), dtype=F32, Sq=256, Sk=256), "auto", OURS, "auto: fp32, the crossover"),
+    (call(device="cpu", capability=(), dtype=F32, Sq=64, Sk=64, window=8), "auto", OURS, "auto: fp32, a window"),
+    (call(device="cpu", capability=(), dtype=F32, Sq=64, Sk=64, dropout=True), "auto", OURS, "auto: fp32, dropout"),
     (call(device="cpu", capability=()), "sdpa", CPU_FLASH, "causal"),
     (call(device="cpu", capability=(), dtype=F32, D=3, Hkv=2, padding=True), "sdpa", CPU_FLASH, "padding, GQA"),
     (call(device="cpu", capability=(), causal=False, Sq=1, Sk=70, q_offset=69), "sdpa_cpu_flash", CPU_FLASH,
@@ -125,12 +131,73 @@ def test_cpu_choice(c, name, expected, why):
     assert dispatch.choose(c, name) == expected, why
 
 
-def test_cpu_auto_runs_the_measured_default(setting, ran):
+def heads_apart(t):
+    """t laid out [B, S, H, D] in memory, seen as [B, H, S, D]: a projection's output viewed into heads."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+THROUGH_THE_OP = [("forward", CPU_FLASH), ("backward", CPU_FLASH)]
+AUTO_CASES = [  # (dtype, S, padding, q laid out [B, S, H, D], what "auto" runs): docs/kernels/attention.md
+    (F32, 17, False, True, [("itself", CPU_FLASH)]),  # the kernel under its own autograd node
+    (F32, 17, False, False, THROUGH_THE_OP),  # its o would be laid out [B, H, S, D]: the op copies it
+    (F32, 17, True, True, THROUGH_THE_OP),  # a padding mask
+    (F32, dispatch.CPU_FLASH_BELOW, False, True, []),
+    (BF16, 17, False, True, []),
+]
+
+
+@pytest.mark.parametrize("dtype, S, padding, apart, expected", AUTO_CASES, ids=lambda c: str(c).replace("torch.", ""))
+def test_cpu_auto_runs_the_measured_kernel_within_the_rule(dtype, S, padding, apart, expected, setting, ran):
     setting("auto")
-    q, k, v = inputs(1, 2, 2, 17, 17, 16, F32)
-    run(lambda a, b, c: selective_ckpt.attention(a, b, c, causal=True), q, k, v, torch.ones(q.shape))
-    # docs/kernels/attention.md, "Backends": the kernel measured faster on CPU
-    assert ran == ([] if dispatch.CPU_AUTO == OURS else [("forward", CPU_FLASH), ("backward", CPU_FLASH)])
+    q, k, v = (heads_apart(t) if apart else t for t in inputs(1, 4, 2, S, S, 16, dtype))
+    kw = dict(causal=True, key_padding_mask=_padding(1, S) if padding else None)
+    check_rule(q, k, v, kw)
+    assert ran == expected
+
+
+def test_cpu_auto_keeps_what_the_op_keeps(setting, ran):
+    """The kernel as itself keeps the bytes our op keeps, the output laid out as the op's."""
+    q, k, v = (heads_apart(t) for t in inputs(2, 4, 2, 33, 33, 16, F32))
+    kept = {}
+    for name in ("ours", "auto"):
+        setting(name)
+        saved = []
+        x, y, z = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, into=saved: into.append(t) or t, lambda t: t):
+            o = selective_ckpt.attention(x, y, z, causal=True)
+        kept[name] = sorted(t.numel() * t.element_size() for t in saved)
+        assert o.permute(0, 2, 1, 3).is_contiguous()  # the out-projection reads the buffer without a copy
+    assert ran == [("itself", CPU_FLASH)]
+    assert kept["auto"] == kept["ours"]
+
+
+def test_cpu_auto_names_the_classes_of_what_it_keeps(setting, ran):
+    """Where the layer pipeline reads classes (here an observer's, as the memory ledger's), the kernel as itself
+    shows it q, k, v as "qkv" and o, lse as "attention", as the op does."""
+    from selective_ckpt.keeping import pipeline
+
+    class Recorder:
+        def __init__(self):
+            self.notes = []
+
+        def pack(self, t):
+            return t
+
+        def note(self, t, cls, handle):
+            self.notes.append((t.numel() * t.element_size(), cls))
+
+    notes = {}
+    for name in ("ours", "auto"):
+        setting(name)
+        q, k, v = (heads_apart(t).requires_grad_() for t in inputs(1, 4, 2, 33, 33, 16, F32))
+        rec = Recorder()
+        with pipeline.observe(rec), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+            with pipeline.scope("selective"):
+                selective_ckpt.attention(q, k, v, causal=True)
+        notes[name] = sorted(rec.notes)
+    assert ran == [("itself", CPU_FLASH)]
+    assert [cls for _, cls in notes["auto"]].count("attention") == 2
+    assert notes["auto"] == notes["ours"]
 
 
 def test_setting_is_checked_and_names_itself(monkeypatch):
