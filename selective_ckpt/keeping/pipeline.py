@@ -22,9 +22,11 @@ autocast's casts itself shows them with `cast` (a frozen weight's cast has no no
 
 Classes: the code that produces or saves a tensor names its class with `tag(t, cls)` (attention tags q, k, v and
 o, lse; the MLP ops their matmul outputs; the norm patches their inputs; the pipeline the layer input), and
-`discardable` outputs are "norm_act". A saved tensor of a class the policy offloads goes to the layer's offload
-engine (keeping.offload) and comes back, bit for bit, before its consumer's backward; an untagged one ("other":
-statistics, seeds, LoRA's rank-sized outputs) is kept.
+`discardable` outputs are "norm_act"; code that runs an aten op under its own autograd node, which saves its outputs
+before they can be tagged, names their class beforehand with `saving_as` (attention's CPU flash call). A saved
+tensor of a class the policy offloads goes to the layer's offload engine (keeping.offload) and comes back, bit for
+bit, before its consumer's backward; an untagged one ("other": statistics, seeds, LoRA's rank-sized outputs) is
+kept.
 
 Why hooks and not freeing storage: nothing is mutated, so a consumer that reads y again in forward, a hook that
 inspects it or an in-place op that bumps its version stays correct (a saved tensor whose version moved since

@@ -138,26 +138,36 @@ def test_variant_within_the_rule(family, variant):
     assert_matches_reference(ref, plain, ours, input_ids=ids, attention_mask=mask)
 
 
+def _losses(model, data):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 @every_family
 def test_training_follows_the_unconverted_losses(family):
-    """20 AdamW steps from the same initialisation and data, fp32: every step's loss within 1e-4 relative."""
+    """20 AdamW steps from the same initialisation and data, fp32: every step's loss within 1e-4 relative; for a
+    family whose run amplifies rounding (Family.amplifies_rounding), within 3x the largest gap between transformers'
+    own eager and SDPA runs."""
     torch.manual_seed(0)
     plain = family.build()().train()
     plain.config._attn_implementation = unconverted_attention(plain.config)
+    eager = copy.deepcopy(plain) if family.amplifies_rounding else None
     ours = convert(copy.deepcopy(plain))
     g = torch.Generator().manual_seed(7)
     data = [torch.randint(0, VOCAB, (2, 17), generator=g) for _ in range(2)] * 10  # two batches to learn
-    curves = []
-    for model in (plain, ours):
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        losses = []
-        for ids in data:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        curves.append(losses)
-    assert curves[0][-1] < curves[0][0], "the run must learn something for the comparison to mean anything"
-    for step, (p, o) in enumerate(zip(*curves)):
-        assert abs(o - p) <= 1e-4 * abs(p), f"step {step}: converted loss {o} against {p}"
+    theirs, converted = _losses(plain, data), _losses(ours, data)
+    assert theirs[-1] < theirs[0], "the run must learn something for the comparison to mean anything"
+    bound = 1e-4
+    if eager is not None:
+        eager.config._attn_implementation = "eager"
+        gap = max(abs(e - p) / abs(p) for p, e in zip(theirs, _losses(eager, data)))
+        bound = max(bound, 3 * gap)
+    for step, (p, o) in enumerate(zip(theirs, converted)):
+        assert abs(o - p) <= bound * abs(p), f"step {step}: converted loss {o} against {p} (bound {bound:.1e})"

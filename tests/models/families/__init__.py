@@ -33,6 +33,10 @@ class Family:
     # (name, config keyword arguments) of each kind of layer a hybrid family mixes (full- and linear-attention
     # layers): test_layer_keeps_its_estimate measures a layer of each kind, in a model of that kind alone
     layer_kinds: tuple = ()
+    # the 20-step training run amplifies rounding past 1e-4 relative (a router logit one ulp apart sends a token to
+    # another expert): its loss curve is held to 3x the gap between transformers' own eager and SDPA runs of it
+    # instead (test_training_follows_the_unconverted_losses)
+    amplifies_rounding: bool = False
 
     def skips(self, check):
         """pytest marks for `check`: a skip with the family's reason, or none."""

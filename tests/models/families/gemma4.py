@@ -61,7 +61,11 @@ _GEMMA4_MOE = {**_GEMMA4, "enable_moe_block": True, "num_experts": 4, "top_k_exp
                "experts_implementation": "eager"}
 
 FAMILIES += [
+    # amplifies_rounding: on the test's data transformers' own eager and SDPA runs part by 1.8e-4 at the last step
+    # (4.9e-4 and 2.9e-3 with two other data seeds, where ours parts from SDPA by 6.0e-4 and 2.2e-3 whichever CPU
+    # attention kernel runs)
     Family("gemma4_text_moe", _gemma4_config, transformers.Gemma4ForCausalLM, _GEMMA4_MOE, packed=False,
+           amplifies_rounding=True,
            dropout={"attention_dropout": 0.17},
            lora_targets=("q_proj", "v_proj", "down_proj"),
            layer_kinds=(("full_attention", {"layer_types": ("full_attention",)}),)),
