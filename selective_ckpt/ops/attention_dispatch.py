@@ -29,10 +29,11 @@ FLASH = "sdpa_flash"  # aten._flash_attention_forward: FlashAttention-2, dense o
 EFFICIENT = "sdpa_efficient"  # aten._efficient_attention_forward: the memory-efficient (cutlass) kernel
 
 # Measured ours against the CPU flash kernel, fwd+bwd (bench.attention --backends; docs/kernels/attention.md,
-# "Backends"): on an AMD EPYC ours was faster in bf16 at every length (1.7-2.5x) and in fp32 from 256 keys on; below
-# 256 keys in fp32 the CPU flash kernel was (1.2-2x, most of it the C++ autograd node it runs under, which skips
-# our Python). So "auto" on CPU runs the CPU flash kernel for fp32 calls with fewer keys than CPU_FLASH_BELOW that
-# it expresses, ours for the rest; "sdpa" forces the CPU flash kernel wherever it expresses the call.
+# "Backends"): on an AMD EPYC ours was faster in bf16 at every length (1.9-2.5x) and in fp32 from 256 keys on
+# (1.13-1.64x); below 256 keys in fp32 the CPU flash kernel was, run under its own autograd node (0.83-0.95 of our
+# time in 8 of 9 rows). So "auto" on CPU runs the CPU flash kernel for fp32 calls with fewer keys than
+# CPU_FLASH_BELOW that it expresses, ours for the rest; "sdpa" forces the CPU flash kernel wherever it expresses
+# the call.
 CPU_FLASH_BELOW = 256
 
 _log = logging.getLogger("selective_ckpt")
