@@ -147,6 +147,14 @@ def active_output_collector():
     return _active_collector.get()
 
 
+def is_output_capturing_hook(hook):
+    """Whether `hook`, a module's forward hook, is one transformers' output capturing installed (it collects a
+    module's output only while the running model forward's collector asks for it)."""
+    # transformers 5.17-5.25: closures of transformers.utils.output_capturing.install_output_capuring_hook; gone:
+    # every hook counts as the user's
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+
+
 def own_loss_function(model):
     """The loss function set on this model instance (None: the class's, from its loss_type)."""
     # transformers 5.17-5.25: PreTrainedModel._loss_function (loss_function property's own); gone: None

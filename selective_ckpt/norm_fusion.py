@@ -104,8 +104,12 @@ def _linears_backward(ctx, douts, u, params, seed, need_u, need_params, rebuild)
     del u
     du = None
     if need_u:
-        for w, d2 in zip(ws, d2s):
-            du = d2 @ w.to(cd) if du is None else torch.addmm(du, d2, w.to(cd))
+        # each Linear's input gradient cast to the norm's dtype, then summed there, the last Linear's first: the
+        # order and rounding of autograd's engine, so a converted layer's fused path (models/fused_layer.py) gives
+        # the bits of its generic one
+        for w, d2 in zip(ws[::-1], d2s[::-1]):
+            part = (d2 @ w.to(cd)).to(ctx.nd)
+            du = part if du is None else du.add_(part)
         du = du.reshape(*douts[0].shape[:-1], du.shape[-1])
     return du, grads
 
@@ -122,17 +126,19 @@ def _mlp_forward(ctx, u, params, seed):
         pipeline.tag(t, "mlp")  # the matmul outputs (keeping.policy's classes)
     if a is not None:
         pipeline.tag(a, "norm_act")
-    return (out,), (*cast, *inner, a)
+    # the parameters themselves are kept, not their casts: under autocast a 16-bit copy of each weight would
+    # be kept per layer, which backward makes again for the cost of a cast
+    return (out,), (*params, *inner, a)
 
 
 def _mlp_backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild):
     if u is None:
         u = rebuild()
     n = len(ctx.param_dtypes)
-    cast, inner = kept[:n], kept[n:]
+    cast, inner = tuple(_cast(t, ctx.cd) for t in kept[:n]), kept[n:]
     args = (douts[0].contiguous(), u, *inner, *cast, ctx.p)
     if ctx.mlp == "gated":
-        grads = gated_mlp_backward(*args, ctx.activation, seed, (need_u, *need_params))
+        grads = gated_mlp_backward(*args, ctx.activation, seed, (need_u, *need_params), dx_dtype=ctx.nd)
     else:
         grads = gelu_mlp_backward(*args, GELU_APPROXIMATE[ctx.activation], seed, (need_u, *need_params))
     del u, args

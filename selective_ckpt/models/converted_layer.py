@@ -23,7 +23,7 @@ from ..keeping.attention_kept import attention_kept_checkpoint
 from ..keeping.policy import CHECKPOINTED, NAMED, resolve
 from ..memory.estimate import KEPT_MIXER
 from ..registry import STATE
-from . import attention
+from . import attention, fused_layer
 from .errors import ConversionError
 from .patches import MLP_TILES, runs_in_tiles
 from .patching import PATCH, PATCHED, patch_forward, replaced, restore_patches
@@ -55,6 +55,7 @@ class ConvertedLayerState:
         # layer's modules and its parameters' dtypes and requires_grad decide it: cleared when they change
         self.cast_memo = {}
         self.cast_key = None  # the parameters' (dtype, requires_grad) the memo was learned under
+        self.layout = None  # the fused layout's modules (models/fused_layer.py) when make_current last looked
 
     def watch_casts(self, params=None):
         """Whether the layer's forward casts between dtypes (autocast, or floating parameters of several
@@ -192,6 +193,7 @@ class ConvertedLayerState:
                           stacklevel=3)
             self.warned = True
         self.cast_memo, self.cast_key = {}, None
+        self.layout = fused_layer.layout_of(self.layer)
         # weak references compare equal while both referents live and are the same object; a dead one only to
         # itself (weakref.ref hands back the one plain reference an object has, so the next call's list matches)
         self.seen = [weakref.ref(m) for m in modules]
@@ -204,12 +206,13 @@ class ConvertedLayerState:
         # weak references do not travel: the copy looks again at its first call
         state["seen"], state["patched"] = None, ()
         state["cast_memo"], state["cast_key"] = {}, None
+        state["layout"] = None
         return state
 
     def __setstate__(self, state):
         """A loaded (or copied) layer: the model's config names our attention function, which a fresh process
         has not registered yet."""
-        self.__dict__.update({"patched": (), "cast_memo": {}, "cast_key": None, **state})
+        self.__dict__.update({"patched": (), "cast_memo": {}, "cast_key": None, "layout": None, **state})
         attention.register()
 
 
@@ -269,6 +272,11 @@ def _without_caches(args, kwargs):
     return args, kwargs
 
 
+# The modes whose forward the fused layout's fast path runs (fused_layer.py): what they keep is what its nodes keep.
+# "full" and "attention-kept" run transformers' checkpoint of the class's forward instead.
+_FUSED_MODES = ("selective", "none")
+
+
 def _decoder_layer_forward(self, *args, **kwargs):
     state = getattr(self, STATE)
     policy = state.policy
@@ -300,6 +308,14 @@ def _decoder_layer_forward(self, *args, **kwargs):
         # keyword `cache`; GPT-2 passes it by position): a checkpointed layer fills none.
         args, kwargs = _without_caches(args, kwargs)
         caches = []
+    if modules is not None and state.layout is not None and mode in _FUSED_MODES and len(args) <= 1:
+        x = args[0] if args else kwargs.get("hidden_states")
+        if fused_layer.applies(state.layout, x, kwargs):
+            kwargs.pop("hidden_states", None)
+            # the pipeline only classifies here (for an offload engine or an observing ledger): the fused nodes
+            # rebuild what the policy rebuilds themselves
+            with pipeline.scope(policy, state.engine, layer_input=x, watch_casts=False, registered=False):
+                return fused_layer.fused_forward(self, state.layout, mode == "none", x, **kwargs)
     # Under "full" the layer's forward is checkpointed inside (transformers wraps the class's forward), and the
     # pipeline sees only the checkpoint's saved inputs: the layer input, offloaded when the policy says so.
     x = args[0] if args else kwargs.get("hidden_states")

@@ -175,10 +175,12 @@ def gated_mlp_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, dropout_p, 
 
 
 def gated_mlp_backward(dy, x, gate, up, a_or_None, w_gate, b_gate, w_up, b_up, w_down, b_down, dropout_p,
-                       activation, seed, needs_input_grad):
+                       activation, seed, needs_input_grad, dx_dtype=None):
     """Gradients (dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down) from what gated_mlp_forward left.
 
-    needs_input_grad: seven bools in that order; a gradient not needed (or of a None bias) is None.
+    needs_input_grad: seven bools in that order; a gradient not needed (or of a None bias) is None. `dx_dtype`:
+    dx in that dtype, the up and gate projections' parts each cast to it and summed there (what autograd does with
+    two Linears reading one input of that dtype under autocast); None: summed in x's dtype by one addmm.
     Order keeps peak memory under eager's: the dropout mask is regenerated into dz, the product is
     rebuilt only for dw_down and freed, then dL/da = dz @ w_down becomes dgate in place while the
     same pass writes dup, whose gradients are taken and which is freed before dgate's.
@@ -209,7 +211,9 @@ def gated_mlp_backward(dy, x, gate, up, a_or_None, w_gate, b_gate, w_up, b_up, w
         del dup
         dbg = dgate.sum(0) if nbg and b_gate is not None else None
         dwg = dgate.t() @ x2 if nwg else None
-        if nx:
+        if nx and dx_dtype is not None:
+            dx = dx_up.to(dx_dtype).add_((dgate @ w_gate).to(dx_dtype)).reshape(x.shape)
+        elif nx:
             dx = torch.addmm(dx_up, dgate, w_gate).reshape(x.shape)
     return dx, dwg, dbg, dwu, dbu, dw_down, db_down
 

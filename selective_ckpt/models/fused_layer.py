@@ -1,0 +1,318 @@
+"""A converted Llama-shaped decoder layer in five autograd nodes: the fast path of its training forward.
+
+transformers' Llama layer records about forty autograd nodes a call (norm, three projections, their views, RoPE's
+seven ops for q and for k, attention, o_proj, the MLP's five ops, two residual adds), and the converted layer adds
+saved-tensor hooks to each save. On a small model that Python is the step. Where a layer is exactly that layout, its
+forward here runs the same arithmetic as
+
+- norm_fusion.norm_linear: input norm -> q, k, v projections (keeps x and the norm statistics);
+- _Rope: HF's q * cos + rotate_half(q) * sin on q and k, op for op (keeps cos and sin);
+- the registered attention function, called as transformers' attention module calls it (keeps q, k, v, o, lse);
+- o_proj (keeps o; a 16-bit cast of its weight made again in backward under autocast, as the pipeline does);
+- norm_fusion.norm_mlp: post-attention norm -> gate/up -> act(gate) * up -> down (keeps h, statistics, gate, up);
+
+so it keeps what the layer's pipeline keeps (the floor) and nothing is rebuilt by hooks: the norm outputs and the
+product are rebuilt inside those nodes' backwards from the same kernels and statistics. Outputs are the same bits
+as the generic path; gradients are within the rule (the three projections' input gradients are summed in another
+order).
+
+The layout is recognised by what it is, never by a name alone: the decoder layer's and attention's forwards must be
+token for token one that was read and found to compute exactly this (`_VERIFIED`; a transformers release that
+changes them runs the generic path until it is read again); children, patches and module types must be the
+converted Llama layer's; and at each call nothing may ask for the submodules' own calls (hooks on them or global
+ones, transformers' output recording, a replaced forward), for attention weights, for tiles or for another
+attention implementation. Anything else runs the generic path (converted_layer.py), which handles every case.
+"""
+
+import functools
+import hashlib
+import inspect
+import io
+import textwrap
+import tokenize
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules import module as _nn_module
+
+from .. import compat
+from ..activations import kernel_activation
+from ..double_backward import first_order_only
+from ..keeping import pipeline
+from ..norm_fusion import compute_dtype, norm_linear, norm_mlp
+from ..storages import PLAIN_TENSOR_TYPES
+from . import attention
+from .patches import gate_up_mlp_forward, rms_norm_forward
+from .patching import PATCH
+
+_CHILDREN = frozenset(("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_CHILDREN = frozenset(("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+# sha256 of the token stream (comments, docstrings and decorators left out) of forwards read line by line and found
+# to compute exactly what fused_forward computes (transformers 5.25). The decoder layer's: Llama's, which Gemma,
+# Mistral, Qwen2, Qwen3, Ministral, SmolLM3 share token for token.
+_VERIFIED_LAYERS = {"8fa87485cb3a2cc75f5288a2bf8101c2c84be59f3b02e94df2481303bce775ad"}
+# the attention's -> the sliding window it passes to the attention function (the only difference among these)
+_VERIFIED_ATTENTION = {
+    # Llama, Gemma: none
+    "c74233296df18484a41276ac19bbad022fe07c1d1cdc80cce505d40a5c7429bf": None,
+    # Qwen2, Ministral: the module's own (set per layer type)
+    "44f58bde59e6fd449ac4a9d050a90f9620c290e86bae02ad8f1ebcd3fd615771": lambda attn: attn.sliding_window,
+    # Mistral: the config's
+    "74555a2c1d2b5627be0405f14be48c43c45467cf38ea0f5f6078b615e22e8f0d":
+        lambda attn: getattr(attn.config, "sliding_window", None),
+}
+
+
+def fingerprint(function):
+    """fingerprint_source of `function`'s source (None when it cannot be read)."""
+    try:
+        return fingerprint_source(inspect.getsource(function))
+    except (OSError, TypeError, tokenize.TokenError, IndentationError):
+        return None
+
+
+def fingerprint_source(source):
+    """sha256 of a function's source as tokens from `def` on: names, operators, numbers and strings, without
+    decorators, comments, layout or its docstring."""
+    source = textwrap.dedent(source)
+    kept, started, docstring_next = [], False, False
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if not started:
+            started = tok.type == tokenize.NAME and tok.string == "def"
+            if not started:
+                continue
+        if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            if tok.type == tokenize.INDENT and kept[-1] == ":" and not docstring_next:
+                docstring_next = True  # the body's first statement may be the docstring
+            continue
+        if docstring_next is True:
+            docstring_next = "done"
+            if tok.type == tokenize.STRING:
+                continue
+        kept.append(tok.string)
+    return hashlib.sha256(" ".join(kept).encode()).hexdigest()
+
+
+_NOT_VERIFIED = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _window_reader(layer_cls, attention_cls):
+    """The verified attention's sliding-window reader (None: it passes none) when both forwards were verified, else
+    _NOT_VERIFIED."""
+    if fingerprint(layer_cls.forward) not in _VERIFIED_LAYERS:
+        return _NOT_VERIFIED
+    return _VERIFIED_ATTENTION.get(fingerprint(attention_cls.forward), _NOT_VERIFIED)
+
+
+def _patched_with(module, function):
+    """The keywords `module` was patched with when its patch is `function` (plain or a functools.partial); else
+    None."""
+    patch = vars(module).get(PATCH)
+    func = getattr(patch, "__func__", None)
+    if func is function:
+        return {}
+    if isinstance(func, functools.partial) and func.func is function and not func.args:
+        return dict(func.keywords)
+    return None
+
+
+class Layout:
+    """The modules of a converted layer of the fused layout, read once per change of its modules."""
+
+    __slots__ = ("norm1", "attn", "q", "k", "v", "o", "norm2", "mlp", "gate", "up", "down", "activation",
+                 "offset1", "offset2", "window", "bypassed")
+
+    def __init__(self, layer, norm1, offset1, norm2, offset2, activation, window):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
+        self.q, self.k, self.v, self.o = (getattr(attn, n) for n in _PROJECTIONS)
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.offset1, self.offset2, self.activation = offset1, offset2, activation
+        self.window = window  # reads the sliding window the attention module passes (None: it passes none)
+        # the modules whose calls the fast path makes without __call__: none may carry hooks
+        self.bypassed = (norm1, attn, self.q, self.k, self.v, self.o, norm2, mlp, self.gate, self.up, self.down,
+                         mlp.act_fn)
+
+
+def layout_of(layer):
+    """The layer's Layout when it is a converted layer of the fused layout (see the module doc), else None."""
+    if layer._modules.keys() != _CHILDREN:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn._modules.keys() != set(_PROJECTIONS) or mlp._modules.keys() != _MLP_CHILDREN:
+        return None
+    window = _window_reader(type(layer), type(attn))
+    if window is _NOT_VERIFIED or not getattr(attn, "is_causal", False):
+        return None
+    if _patched_with(mlp, gate_up_mlp_forward) != {}:
+        return None
+    norms = [_patched_with(getattr(layer, n), rms_norm_forward) for n in ("input_layernorm", "post_attention_layernorm")]
+    if any(kw is None or set(kw) - {"offset"} for kw in norms):
+        return None
+    linears = [getattr(attn, n) for n in _PROJECTIONS] + [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if any(type(m) is not torch.nn.Linear or "forward" in vars(m) for m in linears):
+        return None
+    if "forward" in vars(attn) or "forward" in vars(mlp.act_fn):
+        return None
+    activation = kernel_activation(mlp.act_fn)
+    if activation is None:
+        return None
+    return Layout(layer, layer.input_layernorm, float(norms[0].get("offset", 0.0)), layer.post_attention_layernorm,
+                  float(norms[1].get("offset", 0.0)), activation, window)
+
+
+def _hooked(modules):
+    """Whether a hook would run on one of `modules` if it were called: global hooks, or any of its own but
+    transformers' output capturing's (installed for good once a forward asks for attention weights, inert
+    unless the running forward's collector asks: `applies` checks that)."""
+    if (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
+            or _nn_module._global_backward_pre_hooks):
+        return True
+    for m in modules:
+        if m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+        if m._forward_hooks and not all(map(compat.is_output_capturing_hook, m._forward_hooks.values())):
+            return True
+    return False
+
+
+def _parameters_fit(layout, x, autocast):
+    """Whether every parameter is a plain Parameter the fused nodes compute with as transformers would: the norms'
+    weights in x's dtype (the patched norm's kernel branch); without autocast every Linear in x's dtype too."""
+    for norm in (layout.norm1, layout.norm2):
+        if type(norm.weight) is not torch.nn.Parameter or norm.weight.dtype != x.dtype:
+            return False
+    for lin in (layout.q, layout.k, layout.v, layout.o, layout.gate, layout.up, layout.down):
+        w, b = lin.weight, lin.bias
+        if type(w) is not torch.nn.Parameter or (b is not None and type(b) is not torch.nn.Parameter):
+            return False
+        if not autocast and (w.dtype != x.dtype or (b is not None and b.dtype != x.dtype)):
+            return False
+    return True
+
+
+def applies(layout, x, kwargs):
+    """Whether this call can take the fast path (the per-call half of the module doc's conditions)."""
+    if type(x) not in PLAIN_TENSOR_TYPES or not x.is_floating_point() or x.dim() != 3:
+        return False
+    if "past_key_values" in kwargs or kwargs.get("output_attentions"):
+        return False
+    pe = kwargs.get("position_embeddings")
+    if not isinstance(pe, tuple) or len(pe) != 2 or any(
+            type(t) not in PLAIN_TENSOR_TYPES or t.requires_grad or t.dim() != 3 for t in pe):
+        return False
+    if compat.attention_implementation(layout.attn.config) != attention.NAME or _hooked(layout.bypassed):
+        return False
+    collected = compat.active_output_collector()
+    if collected is not None and "attentions" in collected:
+        return False
+    return _parameters_fit(layout, x, torch.is_autocast_enabled(x.device.type))
+
+
+# --- RoPE as transformers' apply_rotary_pos_emb computes it, in one node that keeps cos and sin only
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _unrotate_half(g):
+    """The adjoint of _rotate_half: the gradient of its input from the gradient of its output."""
+    half = g.shape[-1] // 2
+    return torch.cat((g[..., half:], -g[..., :half]), dim=-1)
+
+
+class _Rope(torch.autograd.Function):
+    """q, k [B, S, heads, D] -> q * cos + rotate_half(q) * sin (and k's), cos and sin [B, S, D] broadcast over heads;
+    dtypes promote as in transformers (bf16 q with fp32 tables under autocast gives fp32)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+        ctx.save_for_backward(cos, sin)
+        ctx.dtypes = q.dtype, k.dtype
+        return (q * c) + (_rotate_half(q) * s), (k * c) + (_rotate_half(k) * s)
+
+    @staticmethod
+    @first_order_only("selective_ckpt.models.fused_layer.rope")
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+        need = ctx.needs_input_grad
+
+        def back(g, dtype):
+            # autograd's order: each product's gradient cast to the input's dtype, then summed in it
+            return (g * c).to(dtype) + _unrotate_half((g * s).to(dtype))
+
+        return (back(dq, ctx.dtypes[0]) if need[0] else None, back(dk, ctx.dtypes[1]) if need[1] else None,
+                None, None)
+
+
+# --- a Linear under autocast that keeps its fp32 weight, not autocast's 16-bit copy of it (made again in backward)
+
+class _CastLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, cd):
+        ctx.cd, ctx.dtypes = cd, (x.dtype, w.dtype, None if b is None else b.dtype)
+        ctx.save_for_backward(x, w)
+        return F.linear(x.to(cd), w.to(cd), None if b is None else b.to(cd))
+
+    @staticmethod
+    @first_order_only("selective_ckpt.models.fused_layer.linear")
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        cd, (xd, wd, bd) = ctx.cd, ctx.dtypes
+        g2 = g.reshape(-1, g.shape[-1])
+        dx = (g @ w.to(cd)).to(xd) if need[0] else None
+        dw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(cd)).to(wd) if need[1] else None
+        db = g2.sum(0).to(bd) if bd is not None and need[2] else None
+        return dx, dw, db, None
+
+
+def _linear(x, module, cd):
+    w, b = module.weight, module.bias
+    if w.dtype == cd and (b is None or b.dtype == cd) and x.dtype == cd:
+        return F.linear(x, w, b)
+    return _CastLinear.apply(x, w, b, cd)
+
+
+def _eps(norm):
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+
+
+def fused_forward(layer, layout, store, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                  use_cache=False, position_embeddings=None, **kwargs):
+    """The layer's forward (transformers' LlamaDecoderLayer.forward with its attention's, same arguments and result)
+    in the fused nodes; `store`: keep the norm outputs and the MLP's product too (policy "none")."""
+    x = hidden_states
+    attn = layout.attn
+    B, S, _ = x.shape
+    D = attn.head_dim
+    q, k, v = norm_linear(x, layout.norm1.weight, None, [(m.weight, m.bias) for m in (layout.q, layout.k, layout.v)],
+                          norm="rmsnorm", eps=_eps(layout.norm1), offset=layout.offset1, store=store)
+    cos, sin = position_embeddings
+    q, k = _Rope.apply(q.view(B, S, -1, D), k.view(B, S, -1, D), cos, sin)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, D).transpose(1, 2)
+    kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
+    if cache is not None:
+        k_all, v_all = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        # a cache that held nothing before returns copies of this call's k, v: attention reads (and keeps) the
+        # originals, as the generic path's _attention_reads_own_kv has it
+        if k_all.shape != k.shape or v_all.shape != v.shape:
+            k, v = k_all, v_all
+    if layout.window is not None:
+        kwargs["sliding_window"] = layout.window(attn)
+    o, _ = attention.selective_attention(attn, q, k, v, attention_mask,
+                                         dropout=0.0 if not attn.training else attn.attention_dropout,
+                                         scaling=attn.scaling, **kwargs)
+    cd = compute_dtype(x)
+    h = x + _linear(o.reshape(B, S, -1).contiguous(), layout.o, cd)
+    pipeline.tag(h, "residual", if_untagged=True)
+    params = (layout.gate.weight, layout.gate.bias, layout.up.weight, layout.up.bias, layout.down.weight,
+              layout.down.bias)
+    return h + norm_mlp(h, layout.norm2.weight, None, params, norm="rmsnorm", eps=_eps(layout.norm2),
+                        offset=layout.offset2, mlp="gated", activation=layout.activation, store=store)
