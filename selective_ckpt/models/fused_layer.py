@@ -98,7 +98,7 @@ def fingerprint_source(source):
 _NOT_VERIFIED = object()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _window_reader(layer_cls, attention_cls):
     """The verified attention's sliding-window reader (None: it passes none) when both forwards were verified, else
     _NOT_VERIFIED."""
@@ -149,7 +149,8 @@ def layout_of(layer):
         return None
     if _patched_with(mlp, gate_up_mlp_forward) != {}:
         return None
-    norms = [_patched_with(getattr(layer, n), rms_norm_forward) for n in ("input_layernorm", "post_attention_layernorm")]
+    norms = [_patched_with(getattr(layer, name), rms_norm_forward)
+             for name in ("input_layernorm", "post_attention_layernorm")]
     if any(kw is None or set(kw) - {"offset"} for kw in norms):
         return None
     linears = [getattr(attn, n) for n in _PROJECTIONS] + [mlp.gate_proj, mlp.up_proj, mlp.down_proj]

@@ -114,7 +114,7 @@ def test_fused_path_keeps_the_generic_paths_bytes(autocast, monkeypatch):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 model(input_ids=ids).logits.float().sum().backward()
                 held = []
-                net.append(sum(cpu_allocation_deltas(lambda m=model: held.append(m(input_ids=ids).logits))))
+                net.append(sum(cpu_allocation_deltas(lambda m=model, h=held: h.append(m(input_ids=ids).logits))))
             del held
         return net[1] - net[0], model
 
