@@ -17,8 +17,8 @@ as the generic path; gradients are within the rule (the three projections' input
 order).
 
 The layout is recognised by what it is, never by a name alone: the decoder layer's and attention's forwards must be
-token for token one that was read and found to compute exactly this (`_VERIFIED`; a transformers release that
-changes them runs the generic path until it is read again); children, patches and module types must be the
+token for token one that was read and found to compute exactly this (`_VERIFIED_LAYERS`, `_VERIFIED_ATTENTION`; a
+transformers release that changes them runs the generic path until it is read again); children, patches and module types must be the
 converted Llama layer's; and at each call nothing may ask for the submodules' own calls (hooks on them or global
 ones, transformers' output recording, a replaced forward), for attention weights, for tiles or for another
 attention implementation. Anything else runs the generic path (converted_layer.py), which handles every case.
@@ -50,18 +50,36 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_CHILDREN = frozenset(("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 # sha256 of the token stream (comments, docstrings and decorators left out) of forwards read line by line and found
-# to compute exactly what fused_forward computes (transformers 5.25). The decoder layer's: Llama's, which Gemma,
-# Mistral, Qwen2, Qwen3, Ministral, SmolLM3 share token for token.
-_VERIFIED_LAYERS = {"8fa87485cb3a2cc75f5288a2bf8101c2c84be59f3b02e94df2481303bce775ad"}
-# the attention's -> the sliding window it passes to the attention function (the only difference among these)
+# to compute exactly what fused_forward computes. transformers 5.17-5.23 and 5.24-5.25 differ only in the kv
+# cache's name (past_key_values, then cache) and whether its update is handed the attention's kwargs.
+# The decoder layer's (Llama's, which Gemma, Mistral, Qwen2, Qwen3, Ministral and SmolLM3 share token for token) ->
+# the keyword its kv cache arrives by.
+_VERIFIED_LAYERS = {
+    "437ab585baff4a300ddf5a772bfa993a79b344ca87eb627a1dd9de9b8cd8e658": "past_key_values",  # 5.17-5.23
+    "8fa87485cb3a2cc75f5288a2bf8101c2c84be59f3b02e94df2481303bce775ad": "cache",  # 5.24-5.25
+}
+
+
+def _config_window(attn):
+    return getattr(attn.config, "sliding_window", None)
+
+
+def _own_window(attn):
+    return attn.sliding_window
+
+
+# The attention's -> (the sliding window it passes to the attention function, None for none; whether the cache's
+# update is handed its kwargs)
 _VERIFIED_ATTENTION = {
-    # Llama, Gemma: none
-    "c74233296df18484a41276ac19bbad022fe07c1d1cdc80cce505d40a5c7429bf": None,
-    # Qwen2, Ministral: the module's own (set per layer type)
-    "44f58bde59e6fd449ac4a9d050a90f9620c290e86bae02ad8f1ebcd3fd615771": lambda attn: attn.sliding_window,
+    # Llama, Gemma
+    "4b578d7546dbc52269c38033ce35c79c88bccc7c8666ca407d863ef05937f645": (None, False),  # 5.17-5.23
+    "c74233296df18484a41276ac19bbad022fe07c1d1cdc80cce505d40a5c7429bf": (None, True),  # 5.24-5.25
+    # Qwen2, Ministral: the module's own window (set per layer type)
+    "bba8e6dcedd7e27dec642dde89cf19fa5c9fee8af598a0a6cee604b17df1010d": (_own_window, False),
+    "44f58bde59e6fd449ac4a9d050a90f9620c290e86bae02ad8f1ebcd3fd615771": (_own_window, True),
     # Mistral: the config's
-    "74555a2c1d2b5627be0405f14be48c43c45467cf38ea0f5f6078b615e22e8f0d":
-        lambda attn: getattr(attn.config, "sliding_window", None),
+    "b9cc6708771341514624a0506740b5831d9b556f2664ceb61e77ffe4f924886c": (_config_window, False),
+    "74555a2c1d2b5627be0405f14be48c43c45467cf38ea0f5f6078b615e22e8f0d": (_config_window, True),
 }
 
 
@@ -95,16 +113,15 @@ def fingerprint_source(source):
     return hashlib.sha256(" ".join(kept).encode()).hexdigest()
 
 
-_NOT_VERIFIED = object()
-
-
 @functools.cache
-def _window_reader(layer_cls, attention_cls):
-    """The verified attention's sliding-window reader (None: it passes none) when both forwards were verified, else
-    _NOT_VERIFIED."""
-    if fingerprint(layer_cls.forward) not in _VERIFIED_LAYERS:
-        return _NOT_VERIFIED
-    return _VERIFIED_ATTENTION.get(fingerprint(attention_cls.forward), _NOT_VERIFIED)
+def _verified_form(layer_cls, attention_cls):
+    """(the cache keyword, the window reader, whether the cache's update takes kwargs) when both forwards were
+    verified, else None."""
+    cache_kw = _VERIFIED_LAYERS.get(fingerprint(layer_cls.forward))
+    attention_form = _VERIFIED_ATTENTION.get(fingerprint(attention_cls.forward))
+    if cache_kw is None or attention_form is None:
+        return None
+    return (cache_kw, *attention_form)
 
 
 def _patched_with(module, function):
@@ -123,15 +140,17 @@ class Layout:
     """The modules of a converted layer of the fused layout, read once per change of its modules."""
 
     __slots__ = ("norm1", "attn", "q", "k", "v", "o", "norm2", "mlp", "gate", "up", "down", "activation",
-                 "offset1", "offset2", "window", "bypassed")
+                 "offset1", "offset2", "cache_kw", "window", "update_kwargs", "bypassed")
 
-    def __init__(self, layer, norm1, offset1, norm2, offset2, activation, window):
+    def __init__(self, layer, norm1, offset1, norm2, offset2, activation, form):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
         self.q, self.k, self.v, self.o = (getattr(attn, n) for n in _PROJECTIONS)
         self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.offset1, self.offset2, self.activation = offset1, offset2, activation
-        self.window = window  # reads the sliding window the attention module passes (None: it passes none)
+        # the keyword the layer's kv cache arrives by; what reads the sliding window the attention module passes
+        # (None: it passes none); whether it hands the cache's update its kwargs
+        self.cache_kw, self.window, self.update_kwargs = form
         # the modules whose calls the fast path makes without __call__: none may carry hooks
         self.bypassed = (norm1, attn, self.q, self.k, self.v, self.o, norm2, mlp, self.gate, self.up, self.down,
                          mlp.act_fn)
@@ -144,8 +163,8 @@ def layout_of(layer):
     attn, mlp = layer.self_attn, layer.mlp
     if attn._modules.keys() != set(_PROJECTIONS) or mlp._modules.keys() != _MLP_CHILDREN:
         return None
-    window = _window_reader(type(layer), type(attn))
-    if window is _NOT_VERIFIED or not getattr(attn, "is_causal", False):
+    form = _verified_form(type(layer), type(attn))
+    if form is None or not getattr(attn, "is_causal", False):
         return None
     if _patched_with(mlp, gate_up_mlp_forward) != {}:
         return None
@@ -162,7 +181,7 @@ def layout_of(layer):
     if activation is None:
         return None
     return Layout(layer, layer.input_layernorm, float(norms[0].get("offset", 0.0)), layer.post_attention_layernorm,
-                  float(norms[1].get("offset", 0.0)), activation, window)
+                  float(norms[1].get("offset", 0.0)), activation, form)
 
 
 def _hooked(modules):
@@ -195,11 +214,14 @@ def _parameters_fit(layout, x, autocast):
     return True
 
 
+_OTHER_CACHE_KW = {"cache": "past_key_values", "past_key_values": "cache"}
+
+
 def applies(layout, x, kwargs):
     """Whether this call can take the fast path (the per-call half of the module doc's conditions)."""
     if type(x) not in PLAIN_TENSOR_TYPES or not x.is_floating_point() or x.dim() != 3:
         return False
-    if "past_key_values" in kwargs or kwargs.get("output_attentions"):
+    if _OTHER_CACHE_KW[layout.cache_kw] in kwargs or kwargs.get("output_attentions"):
         return False
     pe = kwargs.get("position_embeddings")
     if not isinstance(pe, tuple) or len(pe) != 2 or any(
@@ -285,10 +307,11 @@ def _eps(norm):
     return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
 
 
-def fused_forward(layer, layout, store, hidden_states, attention_mask=None, position_ids=None, cache=None,
-                  use_cache=False, position_embeddings=None, **kwargs):
+def fused_forward(layer, layout, store, hidden_states, attention_mask=None, position_ids=None, use_cache=False,
+                  position_embeddings=None, **kwargs):
     """The layer's forward (transformers' LlamaDecoderLayer.forward with its attention's, same arguments and result)
     in the fused nodes; `store`: keep the norm outputs and the MLP's product too (policy "none")."""
+    cache = kwargs.pop(layout.cache_kw, None)
     x = hidden_states
     attn = layout.attn
     B, S, _ = x.shape
@@ -300,7 +323,10 @@ def fused_forward(layer, layout, store, hidden_states, attention_mask=None, posi
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, D).transpose(1, 2)
     kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
     if cache is not None:
-        k_all, v_all = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        if layout.update_kwargs:
+            k_all, v_all = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        else:
+            k_all, v_all = cache.update(k, v, attn.layer_idx)
         # a cache that held nothing before returns copies of this call's k, v: attention reads (and keeps) the
         # originals, as the generic path's _attention_reads_own_kv has it
         if k_all.shape != k.shape or v_all.shape != v.shape:
