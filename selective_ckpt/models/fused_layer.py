@@ -12,14 +12,13 @@ forward here runs the same arithmetic as
 - norm_fusion.norm_mlp: post-attention norm -> gate/up -> act(gate) * up -> down (keeps h, statistics, gate, up);
 
 so it keeps what the layer's pipeline keeps (the floor) and nothing is rebuilt by hooks: the norm outputs and the
-product are rebuilt inside those nodes' backwards from the same kernels and statistics. Outputs are the same bits
-as the generic path; gradients are within the rule (the three projections' input gradients are summed in another
-order).
+product are rebuilt inside those nodes' backwards from the same kernels and statistics. Outputs and gradients are
+the generic path's bits (norm_fusion sums the projections' input gradients as autograd's engine does).
 
 The layout is recognised by what it is, never by a name alone: the decoder layer's and attention's forwards must be
-token for token one that was read and found to compute exactly this (`_VERIFIED_LAYERS`, `_VERIFIED_ATTENTION`; a
-transformers release that changes them runs the generic path until it is read again); children, patches and module types must be the
-converted Llama layer's; and at each call nothing may ask for the submodules' own calls (hooks on them or global
+token for token ones that were read and found to compute exactly this (`_VERIFIED_LAYERS`, `_VERIFIED_ATTENTION`;
+a transformers release that changes them runs the generic path until they are read again); children, patches and
+module types must be the converted Llama layer's; and at each call nothing may ask for the submodules' own calls (hooks on them or global
 ones, transformers' output recording, a replaced forward), for attention weights, for tiles or for another
 attention implementation. Anything else runs the generic path (converted_layer.py), which handles every case.
 """
