@@ -18,8 +18,8 @@ the generic path's bits (norm_fusion sums the projections' input gradients as au
 The layout is recognised by what it is, never by a name alone: the decoder layer's and attention's forwards must be
 token for token ones that were read and found to compute exactly this (`_VERIFIED_LAYERS`, `_VERIFIED_ATTENTION`;
 a transformers release that changes them runs the generic path until they are read again); children, patches and
-module types must be the converted Llama layer's; and at each call nothing may ask for the submodules' own calls (hooks on them or global
-ones, transformers' output recording, a replaced forward), for attention weights, for tiles or for another
+module types must be the converted Llama layer's; and at each call nothing may ask for the submodules' own calls
+(hooks on them or global ones, a replaced forward), for attention weights, for a checkpointed mode or for another
 attention implementation. Anything else runs the generic path (converted_layer.py), which handles every case.
 """
 
