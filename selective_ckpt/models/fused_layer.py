@@ -32,6 +32,7 @@ import tokenize
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules import module as _nn_module
 
 from .. import compat
@@ -139,7 +140,8 @@ class Layout:
     """The modules of a converted layer of the fused layout, read once per change of its modules."""
 
     __slots__ = ("norm1", "attn", "q", "k", "v", "o", "norm2", "mlp", "gate", "up", "down", "activation",
-                 "offset1", "offset2", "cache_kw", "window", "update_kwargs", "bypassed")
+                 "offset1", "offset2", "cache_kw", "window", "update_kwargs", "bypassed", "norm_params", "qkv_params",
+                 "o_params", "mlp_params")
 
     def __init__(self, layer, norm1, offset1, norm2, offset2, activation, form):
         attn, mlp = layer.self_attn, layer.mlp
@@ -150,6 +152,12 @@ class Layout:
         # the keyword the layer's kv cache arrives by; what reads the sliding window the attention module passes
         # (None: it passes none); whether it hands the cache's update its kwargs
         self.cache_kw, self.window, self.update_kwargs = form
+        # the modules' own parameter dicts, read at every call (a parameter assigned anew lands in them; reading
+        # them is what Module.__getattr__ does, without its Python)
+        self.norm_params = (norm1._parameters, norm2._parameters)
+        self.qkv_params = (self.q._parameters, self.k._parameters, self.v._parameters)
+        self.o_params = self.o._parameters
+        self.mlp_params = (self.gate._parameters, self.up._parameters, self.down._parameters)
         # the modules whose calls the fast path makes without __call__: none may carry hooks
         self.bypassed = (norm1, attn, self.q, self.k, self.v, self.o, norm2, mlp, self.gate, self.up, self.down,
                          mlp.act_fn)
@@ -201,18 +209,21 @@ def _hooked(modules):
 def _parameters_fit(layout, x, autocast):
     """Whether every parameter is a plain Parameter the fused nodes compute with as transformers would: the norms'
     weights in x's dtype (the patched norm's kernel branch); without autocast every Linear in x's dtype too."""
-    for norm in (layout.norm1, layout.norm2):
-        if type(norm.weight) is not torch.nn.Parameter or norm.weight.dtype != x.dtype:
+    dtype = x.dtype
+    for params in layout.norm_params:
+        w = params["weight"]
+        if type(w) not in _PARAMETERS or w.dtype != dtype:
             return False
-    for lin in (layout.q, layout.k, layout.v, layout.o, layout.gate, layout.up, layout.down):
-        w, b = lin.weight, lin.bias
-        if type(w) is not torch.nn.Parameter or (b is not None and type(b) is not torch.nn.Parameter):
-            return False
-        if not autocast and (w.dtype != x.dtype or (b is not None and b.dtype != x.dtype)):
-            return False
+    for params in (*layout.qkv_params, layout.o_params, *layout.mlp_params):
+        for t in params.values():
+            if t is not None and (type(t) not in _PARAMETERS or (not autocast and t.dtype != dtype)):
+                return False
     return True
 
 
+# a plain Parameter; under selective_ckpt.fit's simulated step a FakeTensor (a Parameter of one keeps its type), so the
+# simulation runs the path a real step runs
+_PARAMETERS = (torch.nn.Parameter, FakeTensor)
 _OTHER_CACHE_KW = {"cache": "past_key_values", "past_key_values": "cache"}
 
 
@@ -295,8 +306,8 @@ class _CastLinear(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def _linear(x, module, cd):
-    w, b = module.weight, module.bias
+def _linear(x, params, cd):
+    w, b = params["weight"], params["bias"]
     if w.dtype == cd and (b is None or b.dtype == cd) and x.dtype == cd:
         return F.linear(x, w, b)
     return _CastLinear.apply(x, w, b, cd)
@@ -315,8 +326,9 @@ def fused_forward(layer, layout, store, hidden_states, attention_mask=None, posi
     attn = layout.attn
     B, S, _ = x.shape
     D = attn.head_dim
-    q, k, v = norm_linear(x, layout.norm1.weight, None, [(m.weight, m.bias) for m in (layout.q, layout.k, layout.v)],
-                          norm="rmsnorm", eps=_eps(layout.norm1), offset=layout.offset1, store=store)
+    linears = [(p["weight"], p["bias"]) for p in layout.qkv_params]
+    q, k, v = norm_linear(x, layout.norm_params[0]["weight"], None, linears, norm="rmsnorm", eps=_eps(layout.norm1),
+                          offset=layout.offset1, store=store)
     cos, sin = position_embeddings
     q, k = _Rope.apply(q.view(B, S, -1, D), k.view(B, S, -1, D), cos, sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, D).transpose(1, 2)
@@ -336,9 +348,8 @@ def fused_forward(layer, layout, store, hidden_states, attention_mask=None, posi
                                          dropout=0.0 if not attn.training else attn.attention_dropout,
                                          scaling=attn.scaling, **kwargs)
     cd = compute_dtype(x)
-    h = x + _linear(o.reshape(B, S, -1).contiguous(), layout.o, cd)
+    h = x + _linear(o.reshape(B, S, -1).contiguous(), layout.o_params, cd)
     pipeline.tag(h, "residual", if_untagged=True)
-    params = (layout.gate.weight, layout.gate.bias, layout.up.weight, layout.up.bias, layout.down.weight,
-              layout.down.bias)
-    return h + norm_mlp(h, layout.norm2.weight, None, params, norm="rmsnorm", eps=_eps(layout.norm2),
+    params = [t for p in layout.mlp_params for t in (p["weight"], p["bias"])]
+    return h + norm_mlp(h, layout.norm_params[1]["weight"], None, params, norm="rmsnorm", eps=_eps(layout.norm2),
                         offset=layout.offset2, mlp="gated", activation=layout.activation, store=store)
