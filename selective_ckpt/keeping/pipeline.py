@@ -698,6 +698,11 @@ def saving_as(cls):
     return previous
 
 
+def observed():
+    """Whether an observer (memory.ledger) is watching what pipelines keep on this thread."""
+    return getattr(_state, "observer", None) is not None
+
+
 def active():
     """Whether outputs registered now would be dropped (a rebuilding pipeline is active on this thread)."""
     current = _current()

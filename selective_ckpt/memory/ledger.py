@@ -162,6 +162,12 @@ def _op_name(func):
     return name.replace("::", ".")
 
 
+def is_ledger_hook(hook):
+    """Whether `hook`, a global module hook, is a ledger's own (it names the module running; a layer whose forward
+    bypasses its submodules is still named by its own call)."""
+    return isinstance(getattr(hook, "__self__", None), _Recorder)
+
+
 class _Recorder:
     def __init__(self, root, names_from, layer_types, exclude):
         self.layer_types = tuple(layer_types)

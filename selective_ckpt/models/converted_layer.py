@@ -299,6 +299,16 @@ def _decoder_layer_forward(self, *args, **kwargs):
         modules = state.make_current()
         if state.modes is not None:
             state.modes.announce()
+        if state.layout is not None and mode in _FUSED_MODES and len(args) <= 1:
+            x = args[0] if args else kwargs.get("hidden_states")
+            if fused_layer.applies(state.layout, x, kwargs):
+                kwargs.pop("hidden_states", None)
+                if state.engine is None and not pipeline.observed():
+                    return fused_layer.fused_forward(self, state.layout, mode == "none", x, **kwargs)
+                # the pipeline only classifies here (for the offload engine or an observing ledger): the fused nodes
+                # rebuild what the policy rebuilds themselves
+                with pipeline.scope(policy, state.engine, layer_input=x, watch_casts=False, registered=False):
+                    return fused_layer.fused_forward(self, state.layout, mode == "none", x, **kwargs)
     caches = []
     if grad:
         from transformers.cache_utils import Cache
@@ -308,14 +318,6 @@ def _decoder_layer_forward(self, *args, **kwargs):
         # keyword `cache`; GPT-2 passes it by position): a checkpointed layer fills none.
         args, kwargs = _without_caches(args, kwargs)
         caches = []
-    if modules is not None and state.layout is not None and mode in _FUSED_MODES and len(args) <= 1:
-        x = args[0] if args else kwargs.get("hidden_states")
-        if fused_layer.applies(state.layout, x, kwargs):
-            kwargs.pop("hidden_states", None)
-            # the pipeline only classifies here (for an offload engine or an observing ledger): the fused nodes
-            # rebuild what the policy rebuilds themselves
-            with pipeline.scope(policy, state.engine, layer_input=x, watch_casts=False, registered=False):
-                return fused_layer.fused_forward(self, state.layout, mode == "none", x, **kwargs)
     # Under "full" the layer's forward is checkpointed inside (transformers wraps the class's forward), and the
     # pipeline sees only the checkpoint's saved inputs: the layer input, offloaded when the policy says so.
     x = args[0] if args else kwargs.get("hidden_states")

@@ -39,6 +39,7 @@ from .. import compat
 from ..activations import kernel_activation
 from ..double_backward import first_order_only
 from ..keeping import pipeline
+from ..memory.ledger import is_ledger_hook
 from ..norm_fusion import compute_dtype, norm_linear, norm_mlp
 from ..storages import PLAIN_TENSOR_TYPES
 from . import attention
@@ -192,12 +193,15 @@ def layout_of(layer):
 
 
 def _hooked(modules):
-    """Whether a hook would run on one of `modules` if it were called: global hooks, or any of its own but
-    transformers' output capturing's (installed for good once a forward asks for attention weights, inert
-    unless the running forward's collector asks: `applies` checks that)."""
-    if (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
-            or _nn_module._global_backward_pre_hooks):
+    """Whether a hook would run on one of `modules` if it were called: global hooks but memory.ledger's (which
+    only name the module running: the layer's own call names it), or any of its own but transformers' output
+    capturing's (installed for good once a forward asks for attention weights, inert unless the running forward's
+    collector asks: `applies` checks that)."""
+    if _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks:
         return True
+    for hooks in (_nn_module._global_forward_hooks, _nn_module._global_forward_pre_hooks):
+        if hooks and not all(map(is_ledger_hook, hooks.values())):
+            return True
     for m in modules:
         if m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             return True

@@ -188,3 +188,30 @@ def test_fingerprint_ignores_layout_comments_decorators_and_the_docstring():
     assert fp(plain.replace("(y + 1)", "y + 1")) != fp(plain)  # tokens, not a syntax tree: parentheses count
     assert fp(plain.replace("    y = x * 2", "    'not a docstring'\n    y = x * 2")) == fp(plain)  # the first one is
     assert fp(plain.replace("return (y + 1)", "print('x')\n    return (y + 1)")) != fp(plain)
+
+
+def test_offloading_and_the_ledger_see_the_fused_nodes_saves(fused_calls):
+    """Under a policy that offloads every class the fused layers run (their saves classified by the pipeline), the
+    engine copies bytes out and back, and the gradients are those of the policy keeping them, bit for bit; the
+    ledger, observing, sees the fused path too, the mlp class at the estimate's bytes."""
+    from selective_ckpt import keeping, memory
+    from selective_ckpt.keeping.offload import OffloadEngine
+    from selective_ckpt.keeping.streams import SimulatedStreams
+
+    _, _, ours = hf_checks.triple(FAMILY["llama"].build(num_hidden_layers=3))
+    ids, _ = hf_checks.batch(pad_rows=False)
+    _, kept = _step(ours, ids, None)
+    assert len(fused_calls) == 3
+    engine = OffloadEngine(streams=SimulatedStreams(delay=2))
+    set_recompute(ours, keeping.policy("selective", offload=["input", "qkv", "attention", "residual", "mlp"]),
+                  engine=engine)
+    _, offloaded = _step(ours, ids, None)
+    assert len(fused_calls) == 6 and engine.stats()["d2h_bytes"] > 0
+    assert offloaded.keys() == kept.keys() and all(torch.equal(offloaded[n], kept[n]) for n in kept)
+    set_recompute(ours, "selective")
+    report = memory.ledger(ours, input_ids=ids)
+    assert len(fused_calls) == 9
+    layer = recomputable_layers(ours)[0]
+    name = next(n for n in report.by_layer if n != "-")
+    parts = layer_estimate(layer, ids.shape[1], ids.shape[0], breakdown=True)
+    assert report.by_class(layer=name)["mlp"] == {"device": parts["gate_out"] + parts["up_out"], "host": 0}
