@@ -141,8 +141,8 @@ class Layout:
     """The modules of a converted layer of the fused layout, read once per change of its modules."""
 
     __slots__ = ("norm1", "attn", "q", "k", "v", "o", "norm2", "mlp", "gate", "up", "down", "activation",
-                 "offset1", "offset2", "cache_kw", "window", "update_kwargs", "bypassed", "norm_params", "qkv_params",
-                 "o_params", "mlp_params")
+                 "offset1", "offset2", "cache_kw", "window", "update_kwargs", "bypassed", "unpatched", "norm_params",
+                 "qkv_params", "o_params", "mlp_params")
 
     def __init__(self, layer, norm1, offset1, norm2, offset2, activation, form):
         attn, mlp = layer.self_attn, layer.mlp
@@ -162,6 +162,9 @@ class Layout:
         # the modules whose calls the fast path makes without __call__: none may carry hooks
         self.bypassed = (norm1, attn, self.q, self.k, self.v, self.o, norm2, mlp, self.gate, self.up, self.down,
                          mlp.act_fn)
+        # those among them whose forward is their class's (the norms and the MLP carry our patch, which
+        # ConvertedLayerState.make_current puts back when replaced): a forward set on one later is the user's
+        self.unpatched = (attn, self.q, self.k, self.v, self.o, self.gate, self.up, self.down, mlp.act_fn)
 
 
 def layout_of(layer):
@@ -242,6 +245,8 @@ def applies(layout, x, kwargs):
             type(t) not in PLAIN_TENSOR_TYPES or t.requires_grad or t.dim() != 3 for t in pe):
         return False
     if compat.attention_implementation(layout.attn.config) != attention.NAME or _hooked(layout.bypassed):
+        return False
+    if any("forward" in m.__dict__ for m in layout.unpatched):  # a forward of its own set since: it must run
         return False
     collected = compat.active_output_collector()
     if collected is not None and "attentions" in collected:

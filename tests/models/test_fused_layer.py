@@ -161,7 +161,7 @@ def test_what_the_fast_path_does_not_express_runs_the_generic_path(fused_calls):
 
 def test_checkpointed_modes_and_a_changed_forward_are_not_fused(fused_calls):
     """"full" and "attention-kept" run transformers' checkpoint of the class's forward (nothing fused), and so does
-    a layer whose attention forward is replaced after convert."""
+    a layer one of whose bypassed modules got a forward of its own after convert (it runs)."""
     _, _, ours = hf_checks.triple(FAMILY["llama"].build())
     ids, mask = hf_checks.batch()
     for mode in ("full", "attention-kept"):
@@ -169,11 +169,17 @@ def test_checkpointed_modes_and_a_changed_forward_are_not_fused(fused_calls):
         ours(input_ids=ids, attention_mask=mask).logits.sum().backward()
     assert not fused_calls
     set_recompute(ours, "selective")
+    ours(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    assert len(fused_calls) == 2
+    fused_calls.clear()
+    # forwards set on a module after its layer's layout was read (its modules unchanged): they run
     attn = ours.model.layers[0].self_attn
     attn.forward = type(attn).forward.__get__(attn)
-    ours.model.layers[0].mlp.gate_proj = torch.nn.Linear(64, 112)  # modules changed: the layout is read again
+    seen = []
+    up = ours.model.layers[1].mlp.up_proj
+    up.forward = lambda x, up=up: seen.append(1) or torch.nn.functional.linear(x, up.weight, up.bias)
     ours(input_ids=ids, attention_mask=mask).logits.sum().backward()
-    assert len(fused_calls) == 1  # layer 1 only
+    assert not fused_calls and seen == [1]
 
 
 def test_fingerprint_ignores_layout_comments_decorators_and_the_docstring():
