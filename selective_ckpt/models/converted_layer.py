@@ -304,11 +304,11 @@ def _decoder_layer_forward(self, *args, **kwargs):
             if fused_layer.applies(state.layout, x, kwargs):
                 kwargs.pop("hidden_states", None)
                 if state.engine is None and not pipeline.observed():
-                    return fused_layer.fused_forward(self, state.layout, mode == "none", x, **kwargs)
+                    return fused_layer.fused_forward(state.layout, mode == "none", x, **kwargs)
                 # the pipeline only classifies here (for the offload engine or an observing ledger): the fused nodes
                 # rebuild what the policy rebuilds themselves
                 with pipeline.scope(policy, state.engine, layer_input=x, watch_casts=False, registered=False):
-                    return fused_layer.fused_forward(self, state.layout, mode == "none", x, **kwargs)
+                    return fused_layer.fused_forward(state.layout, mode == "none", x, **kwargs)
     caches = []
     if grad:
         from transformers.cache_utils import Cache

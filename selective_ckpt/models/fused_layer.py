@@ -43,7 +43,7 @@ from ..memory.ledger import is_ledger_hook
 from ..norm_fusion import compute_dtype, norm_linear, norm_mlp
 from ..storages import PLAIN_TENSOR_TYPES
 from . import attention
-from .patches import gate_up_mlp_forward, rms_norm_forward
+from .patches import gate_up_mlp_forward, rms_eps, rms_norm_forward
 from .patching import PATCH
 
 _CHILDREN = frozenset(("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
@@ -322,11 +322,7 @@ def _linear(x, params, cd):
     return _CastLinear.apply(x, w, b, cd)
 
 
-def _eps(norm):
-    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
-
-
-def fused_forward(layer, layout, store, hidden_states, attention_mask=None, position_ids=None, use_cache=False,
+def fused_forward(layout, store, hidden_states, attention_mask=None, position_ids=None, use_cache=False,
                   position_embeddings=None, **kwargs):
     """The layer's forward (transformers' LlamaDecoderLayer.forward with its attention's, same arguments and result)
     in the fused nodes; `store`: keep the norm outputs and the MLP's product too (policy "none")."""
@@ -336,7 +332,7 @@ def fused_forward(layer, layout, store, hidden_states, attention_mask=None, posi
     B, S, _ = x.shape
     D = attn.head_dim
     linears = [(p["weight"], p["bias"]) for p in layout.qkv_params]
-    q, k, v = norm_linear(x, layout.norm_params[0]["weight"], None, linears, norm="rmsnorm", eps=_eps(layout.norm1),
+    q, k, v = norm_linear(x, layout.norm_params[0]["weight"], None, linears, norm="rmsnorm", eps=rms_eps(layout.norm1),
                           offset=layout.offset1, store=store)
     cos, sin = position_embeddings
     q, k = _Rope.apply(q.view(B, S, -1, D), k.view(B, S, -1, D), cos, sin)
@@ -360,5 +356,5 @@ def fused_forward(layer, layout, store, hidden_states, attention_mask=None, posi
     h = x + _linear(o.reshape(B, S, -1).contiguous(), layout.o_params, cd)
     pipeline.tag(h, "residual", if_untagged=True)
     params = [t for p in layout.mlp_params for t in (p["weight"], p["bias"])]
-    return h + norm_mlp(h, layout.norm_params[1]["weight"], None, params, norm="rmsnorm", eps=_eps(layout.norm2),
+    return h + norm_mlp(h, layout.norm_params[1]["weight"], None, params, norm="rmsnorm", eps=rms_eps(layout.norm2),
                         offset=layout.offset2, mlp="gated", activation=layout.activation, store=store)

@@ -32,6 +32,11 @@ def rebuilt_in_backward(fn, *args):
     return fn(*args)
 
 
+def rms_eps(norm):
+    """An RMSNorm module's epsilon, by either of the names transformers' norms give it."""
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+
+
 def norm_input(x, kept):
     """Names the class of a norm's input (keeping.policy) unless one was named before: the layer input x stays
     "input"; x1 and the post-norms' inputs are "residual"; a q/k norm's input (a q or k projection output) is
@@ -64,7 +69,7 @@ def layer_norm_forward(self, x, kept="residual"):
 def rms_norm_forward(self, x, offset=0.0, kept="residual"):
     """y = x * rstd * (offset + weight); a model spec's norm offset arrives through functools.partial."""
     norm_input(x, kept)
-    eps = float(self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps)
+    eps = rms_eps(self)
     if self.weight.dtype == x.dtype:
         if pipeline.compiled_rebuilds():
             return rebuilt_in_backward(lambda x, w: rms_norm_fwd(x, w, eps, offset)[0], x, self.weight)
@@ -93,7 +98,7 @@ def weightless_rms_norm_forward(self, x, kept="qkv"):
     once): the kernel with a row of ones as its weight (a product by 1, exact), which it keeps with x and the fp32
     rstd; the output is rebuilt from them."""
     norm_input(x, kept)
-    eps = float(self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps)
+    eps = rms_eps(self)
     ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
     if pipeline.compiled_rebuilds():
         return rebuilt_in_backward(lambda x, w: rms_norm_fwd(x, w, eps, 0.0)[0], x, ones)
