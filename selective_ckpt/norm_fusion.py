@@ -20,17 +20,20 @@ in `compute_dtype`.
 import torch
 import torch.nn.functional as F
 
+from . import lora_fusion
 from .activations import GELU_APPROXIMATE, KERNEL_ACTIVATIONS
 from .double_backward import first_order_only
 from .keeping import pipeline
-from .ops.gated_mlp import gated_mlp_backward, gated_mlp_forward
+from .ops.gated_mlp import (gated_mlp_backward, gated_mlp_forward, gated_product_backward_op, gated_product_op,
+                            gated_product_rebuild_op)
 from .ops.gelu_mlp import gelu_mlp_backward, gelu_mlp_forward
 from .ops.layer_norm import layer_norm_apply, layer_norm_bwd, layer_norm_fwd
 from .ops.rms_norm import rms_norm_apply, rms_norm_bwd, rms_norm_fwd
 from .validation import NORMS, check_choice
 
 MLP_KINDS = ("plain", "gated")
-_SETTINGS = 11  # _NormThen's inputs before x: op, norm, eps, offset, consumer, mlp, activation, p, seed, store, cd
+# _NormThen's inputs before x: op, norm, eps, offset, consumer, mlp, activation, p, seed, store, cd, adapters
+_SETTINGS = 12
 
 
 def norm_dtype(x):
@@ -82,22 +85,32 @@ def _norm_grads(ctx, du, x, w, stats):
             db.to(w.dtype) if need[2] and ctx.has_norm_bias else None)
 
 
-# --- the consumers. forward(ctx, u, params, seed) -> (outputs, tensors backward keeps);
-# backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild) -> (du, parameter grads in their dtypes).
+# --- the consumers. forward(ctx, y, u, params, seed) -> (outputs, tensors backward keeps), y the norm output, u
+# it in the compute dtype; backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild) -> (du, parameter
+# grads in their dtypes), u None unless stored (not with adapters), rebuild() giving y again.
 
-def _linears_forward(ctx, u, params, seed):
-    cd = ctx.cd
-    outs = tuple(F.linear(u, w.to(cd), _cast(b, cd)) for w, b in zip(params[::2], params[1::2]))
-    return outs, params
+def _linears_forward(ctx, y, u, params, seed):
+    cd, adapters = ctx.cd, ctx.adapters
+    if adapters is None:
+        outs = tuple(F.linear(u, w.to(cd), _cast(b, cd)) for w, b in zip(params[::2], params[1::2]))
+        return outs, params
+    outs, inner = [], []
+    for i, adapter in enumerate(adapters):
+        out, h = lora_fusion.project(y, u, *params[4 * i:4 * i + 4], adapter, cd)
+        outs.append(out)
+        inner.append(h)
+    return tuple(outs), (*params, *inner, *_seeds(adapters))
 
 
 def _linears_backward(ctx, douts, u, params, seed, need_u, need_params, rebuild):
+    if ctx.adapters is not None:
+        return _lora_linears_backward(ctx, douts, params, need_u, need_params, rebuild)
     cd = ctx.cd
     ws, bs = params[::2], params[1::2]
     d2s = [d.contiguous().reshape(-1, d.shape[-1]) for d in douts]
     grads = []
     if any(need_params[::2]) and u is None:
-        u = rebuild()
+        u = rebuild().to(cd)
     for i, (w, b, d2) in enumerate(zip(ws, bs, d2s)):
         grads.append((d2.t() @ u.reshape(-1, u.shape[-1])).to(w.dtype) if need_params[2 * i] else None)
         grads.append(d2.sum(0).to(w.dtype) if need_params[2 * i + 1] and b is not None else None)
@@ -114,7 +127,26 @@ def _linears_backward(ctx, douts, u, params, seed, need_u, need_params, rebuild)
     return du, grads
 
 
-def _mlp_forward(ctx, u, params, seed):
+def _lora_linears_backward(ctx, douts, kept, need_u, need_params, rebuild):
+    cd, n = ctx.cd, len(ctx.adapters)
+    params, inner, seeds = kept[:4 * n], kept[4 * n:5 * n], kept[5 * n:]
+    y = rebuild()
+    y2 = y.reshape(-1, y.shape[-1])
+    u2 = y2.to(cd)
+    parts, grads = [], []
+    for i in range(n - 1, -1, -1):  # the last projection's gradients reach the input first (see _linears_backward)
+        adapter = _with_seeds(ctx.adapters[i:i + 1], seeds[i:i + 1])[0]
+        g2 = douts[i].contiguous().reshape(-1, douts[i].shape[-1])
+        own, g = lora_fusion.project_backward(g2, y2, u2, *params[4 * i:4 * i + 4], inner[i], adapter, cd,
+                                              (need_u, *need_params[4 * i:4 * i + 4]), ctx.nd)
+        parts += own
+        grads[:0] = g
+    del y, y2, u2
+    du = lora_fusion.summed(parts).reshape(*douts[0].shape[:-1], -1) if need_u else None
+    return du, grads
+
+
+def _mlp_forward(ctx, y, u, params, seed):
     cast = tuple(_cast(t, ctx.cd) for t in params)
     if ctx.mlp == "gated":
         out, gate, up, a = gated_mlp_forward(u, *cast, ctx.p, ctx.activation, seed, ctx.store)
@@ -133,7 +165,7 @@ def _mlp_forward(ctx, u, params, seed):
 
 def _mlp_backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild):
     if u is None:
-        u = rebuild()
+        u = rebuild().to(ctx.cd)
     n = len(ctx.param_dtypes)
     cast, inner = tuple(_cast(t, ctx.cd) for t in kept[:n]), kept[n:]
     args = (douts[0].contiguous(), u, *inner, *cast, ctx.p)
@@ -145,7 +177,55 @@ def _mlp_backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild):
     return grads[0], [g if g is None or dt is None else g.to(dt) for g, dt in zip(grads[1:], ctx.param_dtypes)]
 
 
-_CONSUMERS = {"linear": (_linears_forward, _linears_backward), "mlp": (_mlp_forward, _mlp_backward)}
+def _lora_mlp_forward(ctx, y, u, params, seed):
+    """The gated MLP with LoRA-adapted projections (params: gate's, up's, down's (w, b, lora_A, lora_B)), in the
+    ops of the generic path: projections, the product kernel, down on the product (rebuilt in backward)."""
+    cd, (ag, au, ad) = ctx.cd, ctx.adapters
+    gate, hg = lora_fusion.project(y, u, *params[0:4], ag, cd)
+    up, hu = lora_fusion.project(y, u, *params[4:8], au, cd)
+    pipeline.tag(gate, "mlp")  # the matmul outputs (keeping.policy's classes)
+    pipeline.tag(up, "mlp")
+    a = gated_product_op(gate, up, ctx.activation)
+    out, hd = lora_fusion.project(a, a, *params[8:12], ad, cd)
+    return (out,), (*params, gate, up, hg, hu, hd, *_seeds(ctx.adapters))
+
+
+def _lora_mlp_backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild):
+    cd, act = ctx.cd, ctx.activation
+    params, (gate, up, hg, hu, hd), seeds = kept[:12], kept[12:17], kept[17:]
+    ag, au, ad = _with_seeds(ctx.adapters, seeds)
+    ffn = gate.shape[-1]
+    g2, up2 = gate.reshape(-1, ffn), up.reshape(-1, ffn)
+    a2 = gated_product_rebuild_op(g2, up2, act)
+    dy2 = douts[0].contiguous().reshape(-1, douts[0].shape[-1])
+    parts, down = lora_fusion.project_backward(dy2, a2, a2, *params[8:12], hd, ad, cd, (True, *need_params[8:12]),
+                                               a2.dtype)
+    del a2
+    dgate = lora_fusion.summed(parts)
+    dup = gated_product_backward_op(dgate, g2, up2, act)  # dgate: written in place
+    y = rebuild()
+    y2 = y.reshape(-1, y.shape[-1])
+    u2 = y2.to(cd)
+    # up was recorded after gate: its gradients reach the input first
+    parts, up_grads = lora_fusion.project_backward(dup, y2, u2, *params[4:8], hu, au, cd,
+                                                   (need_u, *need_params[4:8]), ctx.nd)
+    del dup
+    more, gate_grads = lora_fusion.project_backward(dgate, y2, u2, *params[0:4], hg, ag, cd,
+                                                    (need_u, *need_params[0:4]), ctx.nd)
+    du = lora_fusion.summed(parts + more).reshape(*y.shape[:-1], -1) if need_u else None
+    return du, [*gate_grads, *up_grads, *down]
+
+
+def _seeds(adapters):
+    return [a.seed if a is not None and a.p else None for a in adapters]
+
+
+def _with_seeds(adapters, seeds):
+    return [None if a is None else lora_fusion.Adapter(a.scaling, a.p, s) for a, s in zip(adapters, seeds)]
+
+
+_CONSUMERS = {"linear": (_linears_forward, _linears_backward), "mlp": (_mlp_forward, _mlp_backward),
+              "lora_mlp": (_lora_mlp_forward, _lora_mlp_backward)}
 
 
 class _NormThen(torch.autograd.Function):
@@ -154,9 +234,9 @@ class _NormThen(torch.autograd.Function):
     dropout seed, and the norm output when `store`."""
 
     @staticmethod
-    def forward(ctx, op, norm, eps, offset, consumer, mlp, activation, p, seed, store, cd, x, norm_w, norm_b,
-                *params):
-        ctx.op, ctx.norm, ctx.offset, ctx.consumer, ctx.cd = op, norm, offset, consumer, cd
+    def forward(ctx, op, norm, eps, offset, consumer, mlp, activation, p, seed, store, cd, adapters, x, norm_w,
+                norm_b, *params):
+        ctx.op, ctx.norm, ctx.offset, ctx.consumer, ctx.cd, ctx.adapters = op, norm, offset, consumer, cd, adapters
         ctx.mlp, ctx.activation, ctx.p, ctx.store = mlp, activation, p, store
         ctx.has_norm_bias = norm_b is not None
         ctx.param_dtypes = tuple(None if t is None else t.dtype for t in params)
@@ -165,7 +245,9 @@ class _NormThen(torch.autograd.Function):
         u = y.to(cd)
         if store:
             pipeline.tag(u, "norm_act")
-        outs, kept = _CONSUMERS[consumer][0](ctx, u, params, seed)
+        outs, kept = _CONSUMERS[consumer][0](ctx, y, u, params, seed)
+        if adapters is not None:  # the seeds are saved with the tensors
+            ctx.adapters = tuple(None if a is None else lora_fusion.Adapter(a.scaling, a.p, None) for a in adapters)
         ctx.n_stats = len(stats)
         ctx.save_for_backward(x, norm_w, norm_b, *stats, *kept, u if store else None, seed if p else None)
         return outs if len(outs) > 1 else outs[0]
@@ -182,7 +264,7 @@ def _backward(ctx, *douts):
     need_u = any(need[_SETTINGS:_SETTINGS + 3])
 
     def rebuild():
-        return _norm_rebuild(ctx, x, norm_w, norm_b, stats).to(ctx.cd)
+        return _norm_rebuild(ctx, x, norm_w, norm_b, stats)
 
     du, grads = _CONSUMERS[ctx.consumer][1](ctx, douts, u, kept, seed, need_u, need[_SETTINGS + 3:], rebuild)
     dx = dnw = dnb = None
@@ -200,22 +282,48 @@ def _check_norm(norm, norm_b):
         raise ValueError("norm_b must be None for norm='rmsnorm' (RMSNorm has no bias)")
 
 
-def norm_linear(x, norm_w, norm_b, linears, *, norm="layernorm", eps=1e-5, offset=0.0, store=False):
+def norm_linear(x, norm_w, norm_b, linears, *, norm="layernorm", eps=1e-5, offset=0.0, store=False, adapters=None):
     """F.linear(norm(x), w, b) for each (w, b) in `linears`, in one autograd node keeping x and the
     norm statistics (+ the norm output if store). Returns one output per Linear (a tensor for one).
 
     norm: "layernorm" (norm_b optional) or "rmsnorm" (norm_b None; y = x * rstd * (offset + norm_w)).
+    adapters: LoRA on the Linears (lora_fusion), one entry per Linear: None or (lora_A weight, lora_B weight,
+    lora_fusion.Adapter); not with `store`.
     """
     _check_norm(norm, norm_b)
     params = [t for wb in linears for t in wb]
     if not params or len(params) % 2:
         raise ValueError("linears must be a non-empty sequence of (weight, bias or None) pairs")
+    settings = None
+    if adapters is not None:
+        params, settings = _with_adapters(linears, adapters, store)
     return _NormThen.apply("norm_linear", norm, float(eps), float(offset), "linear", None, None, 0.0, None,
-                           bool(store), compute_dtype(x), x, norm_w, norm_b, *params)
+                           bool(store), compute_dtype(x), settings, x, norm_w, norm_b, *params)
+
+
+def _with_adapters(linears, adapters, store):
+    """(w, b, lora_A, lora_B) per Linear and the adapters' settings, from norm_linear/norm_mlp's arguments."""
+    if store:
+        raise ValueError("adapters cannot be combined with store=True")
+    if len(adapters) != len(linears):
+        raise ValueError(f"adapters must have one entry per Linear ({len(linears)}), got {len(adapters)}")
+    params, settings = [], []
+    for (w, b), entry in zip(linears, adapters):
+        if entry is None:
+            params += [w, b, None, None]
+            settings.append(None)
+            continue
+        a, bw, adapter = entry
+        if not isinstance(adapter, lora_fusion.Adapter):
+            raise TypeError(f"an adapter entry is (lora_A weight, lora_B weight, lora_fusion.Adapter), got "
+                            f"{type(adapter).__name__} last")
+        params += [w, b, a, bw]
+        settings.append(adapter)
+    return params, tuple(settings)
 
 
 def norm_mlp(x, norm_w, norm_b, params, *, norm="layernorm", eps=1e-5, offset=0.0, mlp="plain", activation="gelu",
-             dropout_p=0.0, seed=None, store=False):
+             dropout_p=0.0, seed=None, store=False, adapters=None):
     """mlp(norm(x)) in one autograd node keeping x, the norm statistics and the MLP's matmul outputs.
 
     params: (w1, b1, w2, b2) for mlp="plain" (fc2(act(fc1(.)))), (w_gate, b_gate, w_up, b_up, w_down,
@@ -223,6 +331,7 @@ def norm_mlp(x, norm_w, norm_b, params, *, norm="layernorm", eps=1e-5, offset=0.
     activation: a kernel activation ("silu", "gelu", "gelu_tanh"; the plain MLP takes the two GELUs).
     `seed` is the seed tensor (rng.seed_arg) on x's device, required when dropout_p > 0. With `store`,
     the norm output and the activation output (or product) are kept too (nothing rebuilt, same bits).
+    adapters: LoRA on a gated MLP's gate, up and down (as norm_linear's; no MLP dropout, not with `store`).
     """
     _check_norm(norm, norm_b)
     check_choice(mlp, "mlp", dict.fromkeys(MLP_KINDS))
@@ -230,5 +339,11 @@ def norm_mlp(x, norm_w, norm_b, params, *, norm="layernorm", eps=1e-5, offset=0.
     if len(params) != (6 if mlp == "gated" else 4):
         raise ValueError(f"params of a {mlp} MLP are {'6' if mlp == 'gated' else '4'} tensors (weight, bias pairs), "
                          f"got {len(params)}")
-    return _NormThen.apply("norm_mlp", norm, float(eps), float(offset), "mlp", mlp, activation, float(dropout_p),
-                           seed, bool(store), compute_dtype(x), x, norm_w, norm_b, *params)
+    consumer, settings = "mlp", None
+    if adapters is not None:
+        if mlp != "gated" or dropout_p:
+            raise ValueError("adapters apply to a gated MLP without dropout")
+        params, settings = _with_adapters(list(zip(params[::2], params[1::2])), adapters, store)
+        consumer = "lora_mlp"
+    return _NormThen.apply("norm_mlp", norm, float(eps), float(offset), consumer, mlp, activation, float(dropout_p),
+                           seed, bool(store), compute_dtype(x), settings, x, norm_w, norm_b, *params)

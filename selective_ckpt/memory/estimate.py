@@ -164,12 +164,14 @@ class LoRA:
     """PEFT LoRA on a converted layer, for `estimate`: the adapted projections and their ranks.
 
     `ranks`: projection name -> rank (e.g. {"q_proj": 16, ...}); `dtype`: the dtype lora_A's output is
-    computed in (autocast's under autocast, else the adapter weights'); `dropout`: lora_dropout.
+    computed in (autocast's under autocast, else the adapter weights'); `dropout`: lora_dropout; `scaling_kept`: PEFT's
+    forward runs (its `* scaling` operand is kept), False where the fused layout computes the adapters.
     """
 
     ranks: dict
     dtype: torch.dtype = torch.float32
     dropout: float = 0.0
+    scaling_kept: bool = True
 
     def __post_init__(self):
         if not isinstance(self.ranks, dict) or not self.ranks:
@@ -181,8 +183,9 @@ class LoRA:
 
     def kept(self, tokens):
         # PEFT's `lora_B(...) * scaling` keeps the Python float as a 0-dim float64 tensor (8 bytes)
-        parts = {"lora_a_out": tokens * sum(self.ranks.values()) * _size(as_dtype(self.dtype)),
-                 "lora_scaling": 8 * len(self.ranks)}
+        parts = {"lora_a_out": tokens * sum(self.ranks.values()) * _size(as_dtype(self.dtype))}
+        if self.scaling_kept:
+            parts["lora_scaling"] = 8 * len(self.ranks)
         if self.dropout > 0:
             parts["lora_seeds"] = 8 * len(self.ranks)
         return parts

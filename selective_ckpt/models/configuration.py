@@ -42,7 +42,23 @@ def _lora(layer, autocast_dtype):
             dtype = autocast_dtype or m.lora_A[adapter].weight.dtype
             drop = m.lora_dropout[adapter]
             dropout = max(dropout, float(drop.p) if isinstance(drop, nn.Dropout) else 0.0)
-    return LoRA(ranks, dtype, dropout) if ranks else None
+    return LoRA(ranks, dtype, dropout, scaling_kept=not _fused_lora(layer, autocast_dtype)) if ranks else None
+
+
+def _fused_lora(layer, autocast_dtype):
+    """Whether the layer's training forward computes its adapters in the fused layout's nodes (models/fused_layer.py)
+    rather than in PEFT's forward."""
+    from . import fused_layer
+
+    state = state_of(layer)
+    if state.policy.recompute != "selective":  # "none" runs PEFT's forward
+        return False
+    layout = fused_layer.layout_of(layer)
+    if layout is None:
+        return False
+    dtype = layout.norm_params[0]["weight"].dtype
+    calls = fused_layer._lora_calls(layout, dtype, autocast_dtype is not None)
+    return calls is not False and any(calls)
 
 
 def training_dtypes(layer, autocast_dtype=None):

@@ -301,14 +301,16 @@ def _decoder_layer_forward(self, *args, **kwargs):
             state.modes.announce()
         if state.layout is not None and mode in _FUSED_MODES and len(args) <= 1:
             x = args[0] if args else kwargs.get("hidden_states")
-            if fused_layer.applies(state.layout, x, kwargs):
+            store = mode == "none"
+            lora = fused_layer.applies(state.layout, x, kwargs, store)
+            if lora is not None:
                 kwargs.pop("hidden_states", None)
                 if state.engine is None and not pipeline.observed():
-                    return fused_layer.fused_forward(state.layout, mode == "none", x, **kwargs)
+                    return fused_layer.fused_forward(state.layout, store, lora, x, **kwargs)
                 # the pipeline only classifies here (for the offload engine or an observing ledger): the fused nodes
                 # rebuild what the policy rebuilds themselves
                 with pipeline.scope(policy, state.engine, layer_input=x, watch_casts=False, registered=False):
-                    return fused_layer.fused_forward(state.layout, mode == "none", x, **kwargs)
+                    return fused_layer.fused_forward(state.layout, store, lora, x, **kwargs)
     caches = []
     if grad:
         from transformers.cache_utils import Cache

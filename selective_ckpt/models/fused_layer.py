@@ -15,6 +15,11 @@ so it keeps what the layer's pipeline keeps (the floor) and nothing is rebuilt b
 product are rebuilt inside those nodes' backwards from the same kernels and statistics. Outputs and gradients are
 the generic path's bits (norm_fusion sums the projections' input gradients as autograd's engine does).
 
+A projection may be a PEFT LoRA layer over a plain Linear: its one active adapter is then computed inside the same
+nodes (lora_fusion.py: lora_A's output and the dropout seed kept, the dropped input rebuilt), read at each call
+(disabled or merged adapters run the base alone); several active adapters, variants, biases on the adapters or the
+"none" mode run PEFT's forward on the generic path.
+
 The layout is recognised by what it is, never by a name alone: the decoder layer's and attention's forwards must be
 token for token ones that were read and found to compute exactly this (`_VERIFIED_LAYERS`, `_VERIFIED_ATTENTION`;
 a transformers release that changes them runs the generic path until they are read again); children, patches and
@@ -35,16 +40,18 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules import module as _nn_module
 
-from .. import compat
+from .. import compat, rng
 from ..activations import kernel_activation
 from ..double_backward import first_order_only
 from ..keeping import pipeline
+from ..lora_fusion import Adapter, lora_linear
 from ..memory.ledger import is_ledger_hook
 from ..norm_fusion import compute_dtype, norm_linear, norm_mlp
 from ..storages import PLAIN_TENSOR_TYPES
 from . import attention
 from .patches import gate_up_mlp_forward, rms_eps, rms_norm_forward
 from .patching import PATCH
+from .peft import adapter_linear_forward
 
 _CHILDREN = frozenset(("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -142,13 +149,16 @@ class Layout:
 
     __slots__ = ("norm1", "attn", "q", "k", "v", "o", "norm2", "mlp", "gate", "up", "down", "activation",
                  "offset1", "offset2", "cache_kw", "window", "update_kwargs", "bypassed", "unpatched", "norm_params",
-                 "qkv_params", "o_params", "mlp_params")
+                 "qkv_params", "o_params", "mlp_params", "loras")
 
     def __init__(self, layer, norm1, offset1, norm2, offset2, activation, form):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
-        self.q, self.k, self.v, self.o = (getattr(attn, n) for n in _PROJECTIONS)
-        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        children = [getattr(attn, n) for n in _PROJECTIONS] + [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        # each projection's Linear (a LoRA layer's base layer) and, in projection order, its LoRA layer or None
+        self.loras = tuple(m if _is_lora(m) else None for m in children)
+        linears = [m if lora is None else m.base_layer for m, lora in zip(children, self.loras)]
+        self.q, self.k, self.v, self.o, self.gate, self.up, self.down = linears
         self.offset1, self.offset2, self.activation = offset1, offset2, activation
         # the keyword the layer's kv cache arrives by; what reads the sliding window the attention module passes
         # (None: it passes none); whether it hands the cache's update its kwargs
@@ -159,12 +169,15 @@ class Layout:
         self.qkv_params = (self.q._parameters, self.k._parameters, self.v._parameters)
         self.o_params = self.o._parameters
         self.mlp_params = (self.gate._parameters, self.up._parameters, self.down._parameters)
-        # the modules whose calls the fast path makes without __call__: none may carry hooks
-        self.bypassed = (norm1, attn, self.q, self.k, self.v, self.o, norm2, mlp, self.gate, self.up, self.down,
-                         mlp.act_fn)
-        # those among them whose forward is their class's (the norms and the MLP carry our patch, which
-        # ConvertedLayerState.make_current puts back when replaced): a forward set on one later is the user's
-        self.unpatched = (attn, self.q, self.k, self.v, self.o, self.gate, self.up, self.down, mlp.act_fn)
+        # the modules whose calls the fast path makes without __call__ (a LoRA layer's, all of them): none may carry
+        # hooks
+        adapters = [sub for lora in self.loras if lora is not None for sub in lora.modules()]
+        self.bypassed = (norm1, attn, *linears, norm2, mlp, mlp.act_fn, *adapters)
+        # those among them whose forward is their class's (the norms, the MLP and a LoRA layer's Linears and
+        # dropouts carry our patch, which ConvertedLayerState.make_current puts back when replaced): a forward set on
+        # one later is the user's
+        self.unpatched = (attn, *children, mlp.act_fn,
+                          *(m for m in adapters if type(m) is torch.nn.Identity))
 
 
 def layout_of(layer):
@@ -184,7 +197,7 @@ def layout_of(layer):
     if any(kw is None or set(kw) - {"offset"} for kw in norms):
         return None
     linears = [getattr(attn, n) for n in _PROJECTIONS] + [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if any(type(m) is not torch.nn.Linear or "forward" in vars(m) for m in linears):
+    if not all(_plain_linear(m) or _fusable_lora(m) for m in linears):
         return None
     if "forward" in vars(attn) or "forward" in vars(mlp.act_fn):
         return None
@@ -193,6 +206,70 @@ def layout_of(layer):
         return None
     return Layout(layer, layer.input_layernorm, float(norms[0].get("offset", 0.0)), layer.post_attention_layernorm,
                   float(norms[1].get("offset", 0.0)), activation, form)
+
+
+def _plain_linear(m):
+    """An nn.Linear with its class's forward, or, inside a LoRA layer, with its adapter patch (models/peft.py)."""
+    return type(m) is torch.nn.Linear and ("forward" not in vars(m) or _patched_with(m, adapter_linear_forward) == {})
+
+
+def _is_lora(m):
+    return type(m) is _lora_linear_class()
+
+
+@functools.cache
+def _lora_linear_class():
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:  # without peft no module is one
+        return None
+    return Linear
+
+
+def _fusable_lora(m):
+    """A PEFT LoRA layer over a plain Linear whose forward is its class's (its adapters are read at each call)."""
+    return (_is_lora(m) and "forward" not in vars(m) and _plain_linear(m.base_layer)
+            and not getattr(m, "fan_in_fan_out", False))
+
+
+def _lora_call(m, dtype, autocast):
+    """How LoRA layer m computes this call: None for its base Linear alone, (lora_A weight, lora_B weight, scaling,
+    dropout p) for its one active adapter as lora_fusion runs it, False where only PEFT's forward computes it
+    (several active adapters, a variant, a merged layer with adapters disabled, biases, another dropout)."""
+    if m.disable_adapters:
+        return False if m.merged else None
+    if m.merged:
+        return None
+    names = [n for n in m.active_adapters if n in m.lora_A]
+    if not names:
+        return None
+    if len(names) > 1 or names[0] in m.lora_variant:
+        return False
+    name = names[0]
+    a, b, drop = m.lora_A[name], m.lora_B[name], m.lora_dropout[name]
+    if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear:
+        return False
+    wa, wb = a._parameters["weight"], b._parameters["weight"]
+    if a._parameters["bias"] is not None or b._parameters["bias"] is not None or type(wa) not in _PARAMETERS \
+            or type(wb) not in _PARAMETERS or wa.dtype != wb.dtype:
+        return False
+    if wa.dtype != dtype and (not autocast or not getattr(m, "cast_input_dtype_enabled", True)):
+        return False
+    if type(drop) is torch.nn.Dropout:
+        p = drop.p if drop.training else 0.0
+        if p == 1 or drop.inplace:
+            return False
+    elif type(drop) is torch.nn.Identity:
+        p = 0.0
+    else:
+        return False
+    return wa, wb, m.scaling[name], p
+
+
+def _lora_calls(layout, dtype, autocast):
+    """_lora_call of each projection (None for a plain Linear), or False where one needs PEFT's forward."""
+    calls = tuple(None if m is None else _lora_call(m, dtype, autocast) for m in layout.loras)
+    return False if any(c is False for c in calls) else calls
 
 
 def _hooked(modules):
@@ -234,24 +311,31 @@ _PARAMETERS = (torch.nn.Parameter, FakeTensor)
 _OTHER_CACHE_KW = {"cache": "past_key_values", "past_key_values": "cache"}
 
 
-def applies(layout, x, kwargs):
-    """Whether this call can take the fast path (the per-call half of the module doc's conditions)."""
+def applies(layout, x, kwargs, store=False):
+    """The LoRA calls of the projections (_lora_calls) when this call can take the fast path (the per-call half of
+    the module doc's conditions), else None. `store`: the policy keeps the norm outputs (not with LoRA)."""
     if type(x) not in PLAIN_TENSOR_TYPES or not x.is_floating_point() or x.dim() != 3:
-        return False
+        return None
     if _OTHER_CACHE_KW[layout.cache_kw] in kwargs or kwargs.get("output_attentions"):
-        return False
+        return None
     pe = kwargs.get("position_embeddings")
     if not isinstance(pe, tuple) or len(pe) != 2 or any(
             type(t) not in PLAIN_TENSOR_TYPES or t.requires_grad or t.dim() != 3 for t in pe):
-        return False
+        return None
     if compat.attention_implementation(layout.attn.config) != attention.NAME or _hooked(layout.bypassed):
-        return False
+        return None
     if any("forward" in m.__dict__ for m in layout.unpatched):  # a forward of its own set since: it must run
-        return False
+        return None
     collected = compat.active_output_collector()
     if collected is not None and "attentions" in collected:
-        return False
-    return _parameters_fit(layout, x, torch.is_autocast_enabled(x.device.type))
+        return None
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if not _parameters_fit(layout, x, autocast):
+        return None
+    calls = _lora_calls(layout, x.dtype, autocast)
+    if calls is False or (store and any(calls)):
+        return None
+    return calls
 
 
 # --- RoPE as transformers' apply_rotary_pos_emb computes it, in one node that keeps cos and sin only
@@ -322,10 +406,20 @@ def _linear(x, params, cd):
     return _CastLinear.apply(x, w, b, cd)
 
 
-def fused_forward(layout, store, hidden_states, attention_mask=None, position_ids=None, use_cache=False,
+def _adapters(calls, device):
+    """norm_fusion's adapters argument for these projections' LoRA calls (None when none has one), each dropout's
+    seed drawn in projection order, as PEFT's forward draws them."""
+    if not any(calls):
+        return None
+    return [None if c is None else (c[0], c[1], Adapter(c[2], c[3], rng.draw_seed_tensor(device) if c[3] else None))
+            for c in calls]
+
+
+def fused_forward(layout, store, lora, hidden_states, attention_mask=None, position_ids=None, use_cache=False,
                   position_embeddings=None, **kwargs):
     """The layer's forward (transformers' LlamaDecoderLayer.forward with its attention's, same arguments and result)
-    in the fused nodes; `store`: keep the norm outputs and the MLP's product too (policy "none")."""
+    in the fused nodes; `store`: keep the norm outputs and the MLP's product too (policy "none"); `lora`: what
+    `applies` gave (the projections' LoRA calls)."""
     cache = kwargs.pop(layout.cache_kw, None)
     x = hidden_states
     attn = layout.attn
@@ -333,7 +427,7 @@ def fused_forward(layout, store, hidden_states, attention_mask=None, position_id
     D = attn.head_dim
     linears = [(p["weight"], p["bias"]) for p in layout.qkv_params]
     q, k, v = norm_linear(x, layout.norm_params[0]["weight"], None, linears, norm="rmsnorm", eps=rms_eps(layout.norm1),
-                          offset=layout.offset1, store=store)
+                          offset=layout.offset1, store=store, adapters=_adapters(lora[:3], x.device))
     cos, sin = position_embeddings
     q, k = _Rope.apply(q.view(B, S, -1, D), k.view(B, S, -1, D), cos, sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, D).transpose(1, 2)
@@ -352,9 +446,14 @@ def fused_forward(layout, store, hidden_states, attention_mask=None, position_id
     o, _ = attention.selective_attention(attn, q, k, v, attention_mask,
                                          dropout=0.0 if not attn.training else attn.attention_dropout,
                                          scaling=attn.scaling, **kwargs)
-    cd = compute_dtype(x)
-    h = x + _linear(o.reshape(B, S, -1).contiguous(), layout.o_params, cd)
+    o = o.reshape(B, S, -1).contiguous()
+    if lora[3] is None:
+        h = x + _linear(o, layout.o_params, compute_dtype(x))
+    else:
+        (a, bw, adapter), = _adapters(lora[3:4], x.device)
+        h = x + lora_linear(o, layout.o_params["weight"], layout.o_params["bias"], a, bw, adapter)
     pipeline.tag(h, "residual", if_untagged=True)
     params = [t for p in layout.mlp_params for t in (p["weight"], p["bias"])]
     return h + norm_mlp(h, layout.norm_params[1]["weight"], None, params, norm="rmsnorm", eps=rms_eps(layout.norm2),
-                        offset=layout.offset2, mlp="gated", activation=layout.activation, store=store)
+                        offset=layout.offset2, mlp="gated", activation=layout.activation, store=store,
+                        adapters=_adapters(lora[4:], x.device))
