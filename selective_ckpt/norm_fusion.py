@@ -24,8 +24,13 @@ from . import lora_fusion
 from .activations import GELU_APPROXIMATE, KERNEL_ACTIVATIONS
 from .double_backward import first_order_only
 from .keeping import pipeline
-from .ops.gated_mlp import (gated_mlp_backward, gated_mlp_forward, gated_product_backward_op, gated_product_op,
-                            gated_product_rebuild_op)
+from .ops.gated_mlp import (
+    gated_mlp_backward,
+    gated_mlp_forward,
+    gated_product_backward_op,
+    gated_product_op,
+    gated_product_rebuild_op,
+)
 from .ops.gelu_mlp import gelu_mlp_backward, gelu_mlp_forward
 from .ops.layer_norm import layer_norm_apply, layer_norm_bwd, layer_norm_fwd
 from .ops.rms_norm import rms_norm_apply, rms_norm_bwd, rms_norm_fwd

@@ -1,6 +1,7 @@
 """The fused layout's fast path (models/fused_layer.py): which converted layers take it, that it gives the generic
 path's bits and keeps its bytes, and that anything it does not express (hooks, attention weights, another attention
-implementation, a transformers whose forwards were not read) runs the generic path instead (LoRA: test_fused_lora.py)."""
+implementation, a transformers whose forwards were not read) runs the generic path instead (LoRA:
+test_fused_lora.py)."""
 
 import copy
 
@@ -20,20 +21,6 @@ from tests.models.families.recent import FAMILIES as RECENT
 transformers = pytest.importorskip("transformers")
 FAMILY = {f.name: f for f in (*LLAMA_SHAPED, *GEMMA, *RECENT)}
 FUSED = ("llama", "mistral", "qwen2", "gemma", "ministral")
-
-
-@pytest.fixture
-def fused_calls(monkeypatch):
-    """The number of fused forwards run since the test began (a list it appends to)."""
-    calls = []
-    run = fused_layer.fused_forward
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(fused_layer, "fused_forward", counted)
-    return calls
 
 
 def _generic(monkeypatch):

@@ -13,7 +13,7 @@ from selective_ckpt.models.configuration import layer_estimate
 from selective_ckpt.registry import recomputable_layers
 from tests.models import hf_checks
 from tests.models.families.llama_shaped import FAMILIES as LLAMA_SHAPED
-from tests.models.test_fused_layer import _generic, _step, fused_calls  # noqa: F401 (a fixture)
+from tests.models.test_fused_layer import _generic, _step
 
 peft = pytest.importorskip("peft")
 FAMILY = {f.name: f for f in LLAMA_SHAPED}
