@@ -226,7 +226,7 @@ def _seeds(adapters):
 
 
 def _with_seeds(adapters, seeds):
-    return [None if a is None else lora_fusion.Adapter(a.scaling, a.p, s) for a, s in zip(adapters, seeds)]
+    return [None if a is None else a.with_seed(s) for a, s in zip(adapters, seeds)]
 
 
 _CONSUMERS = {"linear": (_linears_forward, _linears_backward), "mlp": (_mlp_forward, _mlp_backward),
@@ -252,7 +252,7 @@ class _NormThen(torch.autograd.Function):
             pipeline.tag(u, "norm_act")
         outs, kept = _CONSUMERS[consumer][0](ctx, y, u, params, seed)
         if adapters is not None:  # the seeds are saved with the tensors
-            ctx.adapters = tuple(None if a is None else lora_fusion.Adapter(a.scaling, a.p, None) for a in adapters)
+            ctx.adapters = tuple(None if a is None else a.without_seed() for a in adapters)
         ctx.n_stats = len(stats)
         ctx.save_for_backward(x, norm_w, norm_b, *stats, *kept, u if store else None, seed if p else None)
         return outs if len(outs) > 1 else outs[0]
@@ -293,7 +293,7 @@ def norm_linear(x, norm_w, norm_b, linears, *, norm="layernorm", eps=1e-5, offse
 
     norm: "layernorm" (norm_b optional) or "rmsnorm" (norm_b None; y = x * rstd * (offset + norm_w)).
     adapters: LoRA on the Linears (lora_fusion), one entry per Linear: None or (lora_A weight, lora_B weight,
-    lora_fusion.Adapter); not with `store`.
+    lora_fusion.Adapter), the weights None for a quantized base alone; not with `store`.
     """
     _check_norm(norm, norm_b)
     params = [t for wb in linears for t in wb]
@@ -318,7 +318,7 @@ def _with_adapters(linears, adapters, store):
             params += [w, b, None, None]
             settings.append(None)
             continue
-        a, bw, adapter = entry
+        a, bw, adapter = entry  # a, bw None: a base of its own (adapter.base) without LoRA
         if not isinstance(adapter, lora_fusion.Adapter):
             raise TypeError(f"an adapter entry is (lora_A weight, lora_B weight, lora_fusion.Adapter), got "
                             f"{type(adapter).__name__} last")

@@ -106,6 +106,30 @@ class Linear4bit(nn.Linear):
         return _Matmul4bit.apply(x.to(self.compute_dtype), self.weight, shape, bias).to(x.dtype)
 
 
+    def fused_base(self):
+        """What the fused layout's nodes compute for this base (models/fused_layer.py, lora_fusion's bases): the
+        same casts and the dequantized transient each way, without autograd; None with a bias (as for
+        bitsandbytes' own: the layer then runs the generic path)."""
+        return _FusedStandIn(self) if self.bias is None else None
+
+
+class _FusedStandIn:
+    __slots__ = ("module",)
+
+    def __init__(self, module):
+        self.module = module
+
+    def forward(self, x):
+        m = self.module
+        xc = x.to(m.compute_dtype)
+        return nn.functional.linear(xc, xc.new_empty((m.out_features, m.in_features))).to(x.dtype)
+
+    def input_grad(self, g2, dtype):
+        m = self.module
+        g = g2.to(m.compute_dtype)
+        return (g @ g.new_empty((m.out_features, m.in_features))).to(dtype)
+
+
 class _Matmul4bit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed, shape, bias):

@@ -15,10 +15,11 @@ so it keeps what the layer's pipeline keeps (the floor) and nothing is rebuilt b
 product are rebuilt inside those nodes' backwards from the same kernels and statistics. Outputs and gradients are
 the generic path's bits (norm_fusion sums the projections' input gradients as autograd's engine does).
 
-A projection may be a PEFT LoRA layer over a plain Linear: its one active adapter is then computed inside the same
-nodes (lora_fusion.py: lora_A's output and the dropout seed kept, the dropped input rebuilt), read at each call
-(disabled or merged adapters run the base alone); several active adapters, variants, biases on the adapters or the
-"none" mode run PEFT's forward on the generic path.
+A projection may be a PEFT LoRA layer over a plain Linear or over bitsandbytes' 4-bit Linear (QLoRA): its one
+active adapter is then computed inside the same nodes (lora_fusion.py: lora_A's output and the dropout seed kept,
+the dropped input rebuilt; a 4-bit base's matmul as its forward computes it), read at each call (disabled or merged
+adapters run the base alone); several active adapters, variants, biases on the adapters or a 4-bit base, 8-bit
+bases, or the "none" mode run PEFT's forward on the generic path.
 
 The layout is recognised by what it is, never by a name alone: the decoder layer's and attention's forwards must be
 token for token ones that were read and found to compute exactly this (`_VERIFIED_LAYERS`, `_VERIFIED_ATTENTION`;
@@ -44,7 +45,7 @@ from .. import compat, rng
 from ..activations import kernel_activation
 from ..double_backward import first_order_only
 from ..keeping import pipeline
-from ..lora_fusion import Adapter, lora_linear
+from ..lora_fusion import Adapter, FourBitBase, lora_linear
 from ..memory.ledger import is_ledger_hook
 from ..norm_fusion import compute_dtype, norm_linear, norm_mlp
 from ..storages import PLAIN_TENSOR_TYPES
@@ -149,7 +150,7 @@ class Layout:
 
     __slots__ = ("norm1", "attn", "q", "k", "v", "o", "norm2", "mlp", "gate", "up", "down", "activation",
                  "offset1", "offset2", "cache_kw", "window", "update_kwargs", "bypassed", "unpatched", "norm_params",
-                 "qkv_params", "o_params", "mlp_params", "loras")
+                 "qkv_params", "o_params", "mlp_params", "loras", "quantized", "plain_params")
 
     def __init__(self, layer, norm1, offset1, norm2, offset2, activation, form):
         attn, mlp = layer.self_attn, layer.mlp
@@ -159,6 +160,9 @@ class Layout:
         self.loras = tuple(m if _is_lora(m) else None for m in children)
         linears = [m if lora is None else m.base_layer for m, lora in zip(children, self.loras)]
         self.q, self.k, self.v, self.o, self.gate, self.up, self.down = linears
+        # each projection's quantized base (a LoRA layer's 4-bit one) or None; the plain Linears' parameter dicts
+        self.quantized = tuple(None if type(m) is torch.nn.Linear else m for m in linears)
+        self.plain_params = tuple(m._parameters for m, q in zip(linears, self.quantized) if q is None)
         self.offset1, self.offset2, self.activation = offset1, offset2, activation
         # the keyword the layer's kv cache arrives by; what reads the sliding window the attention module passes
         # (None: it passes none); whether it hands the cache's update its kwargs
@@ -176,7 +180,7 @@ class Layout:
         # those among them whose forward is their class's (the norms, the MLP and a LoRA layer's Linears and
         # dropouts carry our patch, which ConvertedLayerState.make_current puts back when replaced): a forward set on
         # one later is the user's
-        self.unpatched = (attn, *children, mlp.act_fn,
+        self.unpatched = (attn, *children, mlp.act_fn, *(q for q in self.quantized if q is not None),
                           *(m for m in adapters if type(m) is torch.nn.Identity))
 
 
@@ -214,35 +218,73 @@ def _plain_linear(m):
 
 
 def _is_lora(m):
-    return type(m) is _lora_linear_class()
+    return type(m) in _lora_classes()[:2]
 
 
 @functools.cache
-def _lora_linear_class():
+def _lora_classes():
+    """(PEFT's LoRA layer over an nn.Linear, PEFT's over a 4-bit base, bitsandbytes' Linear4bit), None for what is
+    not installed."""
     try:
         from peft.tuners.lora.layer import Linear
     except ImportError:  # without peft no module is one
-        return None
-    return Linear
+        return None, None, None
+    try:
+        from bitsandbytes.nn import Linear4bit as base4
+        from peft.tuners.lora.bnb import Linear4bit
+    except ImportError:
+        return Linear, None, None
+    return Linear, Linear4bit, base4
 
 
 def _fusable_lora(m):
-    """A PEFT LoRA layer over a plain Linear whose forward is its class's (its adapters are read at each call)."""
-    return (_is_lora(m) and "forward" not in vars(m) and _plain_linear(m.base_layer)
-            and not getattr(m, "fan_in_fan_out", False))
+    """A PEFT LoRA layer whose forward is its class's (its adapters are read at each call) over a plain Linear, or
+    over a 4-bit base (the bitsandbytes one for PEFT's 4-bit layer; for its plain layer, a base that says how the
+    fused nodes compute it: selective_ckpt.fit's stand-in)."""
+    if not _is_lora(m) or "forward" in vars(m) or getattr(m, "fan_in_fan_out", False):
+        return False
+    base = m.base_layer
+    if type(m) is _lora_classes()[0]:
+        return _plain_linear(base) or (hasattr(type(base), "fused_base") and "forward" not in vars(base))
+    return type(base) is _lora_classes()[2] and "forward" not in vars(base)
 
 
-def _lora_call(m, dtype, autocast):
-    """How LoRA layer m computes this call: None for its base Linear alone, (lora_A weight, lora_B weight, scaling,
-    dropout p) for its one active adapter as lora_fusion runs it, False where only PEFT's forward computes it
-    (several active adapters, a variant, a merged layer with adapters disabled, biases, another dropout)."""
+def _quantized_base(m):
+    """lora_fusion's base for quantized Linear m as its forward would compute this call, or False where only its
+    forward can (its state not settled yet, a bias, a weight that trains, weights packed for CPU inference)."""
+    if hasattr(type(m), "fused_base"):
+        return m.fused_base() or False
+    w = m._parameters["weight"]
+    state = getattr(w, "quant_state", None)
+    if (not compat.is_4bit(w) or w.requires_grad or m._parameters.get("bias") is not None or state is None
+            or not m.compute_type_is_set or m.compute_dtype is None or len(state.shape) != 2
+            or getattr(state, "packing_format_for_cpu", False)):
+        return False
+    if m.in_features == state.shape[0] != state.shape[1]:  # a weight quantized transposed: bitsandbytes warns
+        return False
+    return FourBitBase(m)
+
+
+def _lora_call(m, quantized, dtype, autocast):
+    """How projection m (a LoRA layer or a plain Linear) computes this call: None for a plain Linear alone; else
+    (lora_A weight, lora_B weight, scaling, dropout p, x cast to lora_A's dtype, base) as lora_fusion runs it (the
+    weights None for a quantized base alone); False where only PEFT's forward computes it (several active adapters,
+    a variant, a merged layer with adapters disabled, biases, another dropout)."""
+    base = None
+    if quantized is not None:
+        base = _quantized_base(quantized)
+        if base is False:
+            return False
+    if m is None:
+        return None if base is None else (None, None, 0.0, 0.0, False, base)
+    alone = None if base is None else (None, None, 0.0, 0.0, False, base)
     if m.disable_adapters:
-        return False if m.merged else None
+        return False if m.merged else alone
     if m.merged:
-        return None
+        return alone
     names = [n for n in m.active_adapters if n in m.lora_A]
     if not names:
-        return None
+        return alone
     if len(names) > 1 or names[0] in m.lora_variant:
         return False
     name = names[0]
@@ -253,7 +295,9 @@ def _lora_call(m, dtype, autocast):
     if a._parameters["bias"] is not None or b._parameters["bias"] is not None or type(wa) not in _PARAMETERS \
             or type(wb) not in _PARAMETERS or wa.dtype != wb.dtype:
         return False
-    if wa.dtype != dtype and (not autocast or not getattr(m, "cast_input_dtype_enabled", True)):
+    # PEFT's 4-bit layer casts x to lora_A's dtype only outside autocast, its plain one always (unless told not to)
+    cast = not autocast if type(m) is not _lora_classes()[0] else getattr(m, "cast_input_dtype_enabled", True)
+    if wa.dtype != dtype and (not autocast or not cast):
         return False
     if type(drop) is torch.nn.Dropout:
         p = drop.p if drop.training else 0.0
@@ -263,12 +307,12 @@ def _lora_call(m, dtype, autocast):
         p = 0.0
     else:
         return False
-    return wa, wb, m.scaling[name], p
+    return wa, wb, m.scaling[name], p, cast, base
 
 
 def _lora_calls(layout, dtype, autocast):
-    """_lora_call of each projection (None for a plain Linear), or False where one needs PEFT's forward."""
-    calls = tuple(None if m is None else _lora_call(m, dtype, autocast) for m in layout.loras)
+    """_lora_call of each projection, or False where one needs PEFT's forward."""
+    calls = tuple(_lora_call(m, q, dtype, autocast) for m, q in zip(layout.loras, layout.quantized))
     return False if any(c is False for c in calls) else calls
 
 
@@ -298,7 +342,7 @@ def _parameters_fit(layout, x, autocast):
         w = params["weight"]
         if type(w) not in _PARAMETERS or w.dtype != dtype:
             return False
-    for params in (*layout.qkv_params, layout.o_params, *layout.mlp_params):
+    for params in layout.plain_params:  # a quantized base's: _quantized_base
         for t in params.values():
             if t is not None and (type(t) not in _PARAMETERS or (not autocast and t.dtype != dtype)):
                 return False
@@ -411,7 +455,8 @@ def _adapters(calls, device):
     seed drawn in projection order, as PEFT's forward draws them."""
     if not any(calls):
         return None
-    return [None if c is None else (c[0], c[1], Adapter(c[2], c[3], rng.draw_seed_tensor(device) if c[3] else None))
+    return [None if c is None else (c[0], c[1], Adapter(c[2], c[3], rng.draw_seed_tensor(device) if c[3] else None,
+                                                        c[4], c[5]))
             for c in calls]
 
 
