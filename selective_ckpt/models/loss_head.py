@@ -23,6 +23,7 @@ A model whose loss_function is not ForCausalLMLoss (a custom loss) keeps its ori
 
 import inspect
 import warnings
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -92,9 +93,14 @@ def _say_logits_dropped(model):
                       "Warned once.", UserWarning, stacklevel=2)
 
 
+_FOR_CAUSAL_LM_LOSS = []  # transformers' ForCausalLMLoss, imported on first use (transformers is optional)
+
+
 def _for_causal_lm_loss():
-    from transformers.loss.loss_utils import ForCausalLMLoss
-    return ForCausalLMLoss
+    if not _FOR_CAUSAL_LM_LOSS:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+        _FOR_CAUSAL_LM_LOSS.append(ForCausalLMLoss)
+    return _FOR_CAUSAL_LM_LOSS[0]
 
 
 def _labels_given(original, args, kwargs):
@@ -151,7 +157,8 @@ class _HeadCapture:
         head, model = self.head, self.model
         self._saved = {"forward": vars(head).get("forward"), "loss": compat.own_loss_function(model)}
         self.head_forward = head.forward  # the module's own forward (bound), for heads called chunk by chunk
-        head.forward = self._intercept
+        # the instance dict directly: Module.__setattr__ only adds checks for parameters, buffers and submodules
+        vars(head)["forward"] = self._intercept
         compat.set_own_loss_function(model, self._loss)
         return self
 
@@ -160,7 +167,7 @@ class _HeadCapture:
         if saved is None:
             vars(self.head).pop("forward", None)
         else:
-            self.head.forward = saved
+            vars(self.head)["forward"] = saved
         compat.set_own_loss_function(self.model, self._saved["loss"])
         # the placeholder refers back to this capture: without this the final hidden states stayed alive in that
         # reference cycle after the step, until the garbage collector ran
@@ -184,9 +191,8 @@ class _HeadCapture:
         self.loss_computed = True
         factor, softcap = logits.scale_and_softcap()
         hidden = self.hidden * factor if factor != 1.0 else self.hidden
-        if shift_labels is None:
-            labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
-            shift_labels = labels[..., 1:]
+        if shift_labels is None:  # padded after the shift: contiguous, so the flattening below is a view
+            shift_labels = nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
         flat = hidden.reshape(-1, hidden.shape[-1])
         shift_labels = shift_labels.reshape(-1).to(flat.device)
         if flat.shape[0] != shift_labels.shape[0]:
@@ -208,16 +214,20 @@ class _HeadCapture:
                                "loss_function, so the fused loss head cannot replace its logits")
         if isinstance(out, tuple):
             return tuple(x for x in out if not isinstance(x, LogitSteps))
-        fields = {k: v for k, v in out.items() if not isinstance(v, LogitSteps)}
-        return type(out)(**fields)
+        # in place (a new output costs more than the rest of the head's Python): the field reads None and its key
+        # goes, as for a field left None when a ModelOutput is made
+        for key in [k for k, v in out.items() if isinstance(v, LogitSteps)]:
+            OrderedDict.__delitem__(out, key)
+            setattr(out, key, None)
+        return out
 
 
 def _expanded_empty(t, shape):
-    """One element of t's dtype expanded to `shape` (no memory), for the placeholder: on t's device, or on the
-    meta device for a fake t (a tensor subclass cannot wrap a FakeTensor; selective_ckpt.fit simulates steps
-    on fake tensors)."""
+    """One element of t's dtype at every index of `shape` (zero strides, no memory), for the placeholder: on t's
+    device, or on the meta device for a fake t (a tensor subclass cannot wrap a FakeTensor; selective_ckpt.fit
+    simulates steps on fake tensors)."""
     if not is_fake(t):
-        return t.new_empty(()).expand(*shape)
+        return t.new_empty_strided(shape, (0,) * len(shape))  # one op where new_empty(()).expand(shape) is two
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
@@ -266,6 +276,8 @@ class LogitSteps(torch.Tensor):
         """(factor, softcap): the steps as softcap * tanh(factor * z / softcap) of the plain logits z (softcap
         None: factor * z). Scales a before one tanh and c after it give c * tanh(a z), so softcap = c and
         factor = a * c; a non-positive c, or more than one tanh, is an error naming the steps."""
+        if not self.steps:
+            return 1.0, None
         kinds = [k for k, _ in self.steps]
         if kinds.count("tanh") > 1:
             raise RuntimeError(f"the model's forward applies tanh to the logits {kinds.count('tanh')} times; the "

@@ -24,8 +24,8 @@ from .. import backend
 from ..double_backward import first_order_only
 from ..storages import is_fake
 from ..validation import check_choice, check_floating, check_linear, check_positive_int
+from .eager import eager_ok, fast_eager
 from .layer_norm import stat_dtype
-from .eager import fast_eager
 
 __all__ = ["check_labels", "chunk_rows", "cross_entropy_rows_op", "linear_cross_entropy", "logits_cross_entropy",
            "check_cross_entropy_args"]
@@ -53,14 +53,12 @@ def cross_entropy_rows_op(logits: torch.Tensor, labels: torch.Tensor, scale: tor
     """(lse, loss) per row of logits [rows, V] (float32; float64 for float64 logits), with labels int64
     [rows] in [0, V) or ignore_index. softcap 0 means none. With write_grad, logits are overwritten by
     scale * d(loss)/d(logits), scale being [1] or [rows] in lse's dtype; otherwise they are only read."""
-    rows, vocab = _check_rows_operands(logits, labels, scale)
+    rows, _ = _check_rows_operands(logits, labels, scale)
     stat = stat_dtype(logits.dtype)
     lse = logits.new_empty(rows, dtype=stat)
     loss = logits.new_empty(rows, dtype=stat)
-    if rows and vocab:
-        backend.call("cross_entropy", "rows", logits, logits.stride(0), labels.contiguous(), scale.contiguous(),
-                     0 if scale.numel() == 1 else 1, lse, loss, rows, vocab, int(ignore_index),
-                     float(label_smoothing), float(softcap), bool(write_grad))
+    _rows_kernel(logits, labels.contiguous(), scale.contiguous(), lse, loss,
+                 (ignore_index, label_smoothing, softcap), write_grad)
     return lse, loss
 
 
@@ -71,6 +69,17 @@ def _(logits, labels, scale, ignore_index, label_smoothing, softcap, write_grad)
 
 
 fast_eager(cross_entropy_rows_op)
+
+
+def _rows_kernel(logits, labels, scale, lse, loss, cfg, write_grad):
+    """The kernel of cross_entropy_rows_op on checked operands: labels, scale, lse and loss contiguous, lse and
+    loss [rows] of the statistics dtype; cfg is (ignore_index, label_smoothing, softcap)."""
+    rows, vocab = logits.shape
+    if rows and vocab:
+        ignore_index, label_smoothing, softcap = cfg
+        backend.call("cross_entropy", "rows", logits, logits.stride(0), labels, scale, 0 if scale.numel() == 1 else 1,
+                     lse, loss, rows, vocab, int(ignore_index), float(label_smoothing), float(softcap),
+                     bool(write_grad))
 
 
 def _check_rows_operands(logits, labels, scale):
@@ -92,52 +101,72 @@ def _check_rows_operands(logits, labels, scale):
 
 
 def _head_pass(hidden, weight, bias, labels, scale, cfg, rows_per_chunk, write_grad, needs):
-    """One pass over the chunks: per-row (lse, loss) and, with write_grad, (dhidden, dweight, dbias)
-    for those `needs` asks for (each scaled by `scale`, one value or one per row)."""
-    ignore_index, smoothing, softcap = cfg
-    need_dx, need_dw, need_db = (write_grad and n for n in needs)
+    """One pass over the chunks: per-row loss and, with write_grad, (dhidden, dweight, dbias) for those
+    `needs` asks for (each scaled by `scale`, one value or one per row)."""
+    need_dx, need_dw, need_db = needs if write_grad else (False, False, False)
     n_tokens, h = hidden.shape
     vocab = weight.shape[0]
     stat = stat_dtype(hidden.dtype)
-    lse = hidden.new_empty(n_tokens, dtype=stat)
+    labels, scale = labels.contiguous(), scale.contiguous()
+    # Plain eager tensors: the kernel writes each chunk's statistics in place, without the op's dispatch, checks
+    # and copies (a chunk's logits are this pass's own buffer). Traced or fake: the custom op.
+    direct = eager_ok((hidden, weight, labels, scale))
+    lse = hidden.new_empty(n_tokens, dtype=stat) if direct else None  # the kernel's, unused here
     loss = hidden.new_empty(n_tokens, dtype=stat)
-    dx = torch.empty_like(hidden) if need_dx else None
-    single = rows_per_chunk >= n_tokens
-    # 16-bit weight gradients accumulate over chunks in float32 and are rounded once at the end.
-    dw = torch.zeros(vocab, h, dtype=stat, device=hidden.device) if need_dw and not single else None
     db = torch.zeros(vocab, dtype=stat, device=hidden.device) if need_db else None
-    buf = hidden.new_empty(min(rows_per_chunk, n_tokens), vocab)
-    wt = weight.t()
-    per_row = scale.numel() != 1
-    for start in range(0, n_tokens, rows_per_chunk):
-        end = min(n_tokens, start + rows_per_chunk)
-        xc, z = hidden[start:end], buf[:end - start]
-        if bias is None:
-            torch.mm(xc, wt, out=z)
-        else:
-            torch.addmm(bias, xc, wt, out=z)
-        lse_c, loss_c = cross_entropy_rows_op(z, labels[start:end], scale[start:end] if per_row else scale,
-                                              ignore_index, smoothing, softcap, write_grad)
-        lse[start:end], loss[start:end] = lse_c, loss_c
-        if not write_grad:
-            continue
-        if need_dx:
-            torch.mm(z, weight, out=dx[start:end])
-        if need_dw:
-            if single:
-                dw = torch.mm(z.t(), xc)
-            elif dw.dtype == z.dtype:
-                dw.addmm_(z.t(), xc)
-            else:
-                dw.add_(torch.mm(z.t(), xc))
+    if rows_per_chunk >= n_tokens:  # one chunk: no slices, and the gradients are the matmuls' own outputs
+        z = _chunk_loss(hidden, weight, bias, labels, scale, lse, loss, cfg, write_grad, direct)
+        dx = torch.mm(z, weight) if need_dx else None
+        dw = torch.mm(z.t(), hidden) if need_dw else None
         if need_db:
             db.add_(z.sum(0, dtype=stat))
-    del buf
+        del z
+    else:
+        dx = torch.empty_like(hidden) if need_dx else None
+        # 16-bit weight gradients accumulate over chunks in float32 and are rounded once at the end.
+        dw = torch.zeros(vocab, h, dtype=stat, device=hidden.device) if need_dw else None
+        buf = hidden.new_empty(rows_per_chunk, vocab)
+        per_row = scale.numel() != 1
+        for start in range(0, n_tokens, rows_per_chunk):
+            end = min(n_tokens, start + rows_per_chunk)
+            xc = hidden[start:end]
+            z = _chunk_loss(xc, weight, bias, labels[start:end], scale[start:end] if per_row else scale,
+                            None if lse is None else lse[start:end], loss[start:end], cfg, write_grad, direct,
+                            out=buf[:end - start])
+            if need_dx:
+                torch.mm(z, weight, out=dx[start:end])
+            if need_dw:
+                if dw.dtype == z.dtype:
+                    dw.addmm_(z.t(), xc)
+                else:
+                    dw.add_(torch.mm(z.t(), xc))
+            if need_db:
+                db.add_(z.sum(0, dtype=stat))
+        del buf, z
     if dw is not None and dw.dtype != weight.dtype:
         dw = dw.to(weight.dtype)
     if db is not None and db.dtype != bias.dtype:
         db = db.to(bias.dtype)
-    return lse, loss, dx, dw, db
+    return loss, dx, dw, db
+
+
+def _chunk_loss(x, weight, bias, labels, scale, lse, loss, cfg, write_grad, direct, out=None):
+    """The logits of rows x (into `out` if given) and their per-row loss written into `loss` (and the
+    logsumexp into `lse`, direct only); returns the logits, overwritten by their scaled gradient with write_grad."""
+    if bias is None:
+        z = torch.mm(x, weight.t(), out=out)
+    else:
+        z = torch.addmm(bias, x, weight.t(), out=out)
+    if direct:
+        _rows_kernel(z, labels, scale, lse, loss, cfg, write_grad)
+    else:
+        loss.copy_(cross_entropy_rows_op(z, labels, scale, *cfg, write_grad)[1])
+    return z
+
+
+def _unit_scale(like):
+    """1 as a [1] tensor of like's statistics dtype: the gradient scale of a sum."""
+    return torch.ones(1, dtype=stat_dtype(like.dtype), device=like.device)
 
 
 def _stat_scalar(value, like):
@@ -151,13 +180,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, denom, reduction, cfg, rows_per_chunk, needs):
         ctx.reduction, ctx.cfg, ctx.rows_per_chunk = reduction, cfg, rows_per_chunk
         if reduction == "none":
-            ones = _stat_scalar(1.0, hidden)
-            _, loss, *_ = _head_pass(hidden, weight, bias, labels, ones, cfg, rows_per_chunk, False, needs)
+            loss, *_ = _head_pass(hidden, weight, bias, labels, _unit_scale(hidden), cfg, rows_per_chunk, False, needs)
             ctx.save_for_backward(hidden, weight, bias, labels)
             return loss
         # The gradient of the reduced loss per row is 1 / denom: formed now, scaled by grad_output later.
-        scale = _stat_scalar(1.0, hidden) if denom is None else 1.0 / _stat_scalar(denom, hidden)
-        _, loss, dx, dw, db = _head_pass(hidden, weight, bias, labels, scale, cfg, rows_per_chunk, any(needs), needs)
+        scale = _unit_scale(hidden) if denom is None else _stat_scalar(denom, hidden).reciprocal()
+        loss, dx, dw, db = _head_pass(hidden, weight, bias, labels, scale, cfg, rows_per_chunk, any(needs), needs)
         if torch.compiler.is_compiling():
             # traced: the gradients are saved tensors of the graph (a list on ctx emptied in backward would be a
             # side effect dynamo refuses)
@@ -175,8 +203,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hidden, weight, bias, labels = ctx.saved_tensors
             needs = tuple(ctx.needs_input_grad[:3])
             scale = grad.contiguous().to(stat_dtype(hidden.dtype))
-            _, _, dx, dw, db = _head_pass(hidden, weight, bias, labels, scale, ctx.cfg, ctx.rows_per_chunk, True,
-                                          needs)
+            _, dx, dw, db = _head_pass(hidden, weight, bias, labels, scale, ctx.cfg, ctx.rows_per_chunk, True, needs)
         elif ctx.kept is None:  # traced (forward): no host read of grad, no in-place scaling of saved tensors
             dx, dw, db = (None if g is None else g * grad for g in ctx.saved_tensors)
         else:
@@ -193,6 +220,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def check_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap,
                              num_items_in_batch, chunk_bytes):
     """Raises TypeError / ValueError naming the argument that does not fit; returns labels as int64."""
+    vocab = _check_operands(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap,
+                            num_items_in_batch, chunk_bytes)
+    return check_labels(labels, vocab, ignore_index)
+
+
+def _check_operands(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap,
+                    num_items_in_batch, chunk_bytes):
+    """check_cross_entropy_args but for the labels' values; returns the vocabulary size."""
     check_floating(hidden, "hidden")
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [N, h] (tokens, hidden size), got shape {list(hidden.shape)}")
@@ -234,23 +269,41 @@ def check_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reducti
                             f"{type(num_items_in_batch).__name__}")
     if chunk_bytes is not None:
         check_positive_int(chunk_bytes, "chunk_bytes")
-    return check_labels(labels, vocab, ignore_index)
+    return vocab
 
 
 def check_labels(labels, vocab, ignore_index):
     """labels as int64, each in [0, vocab) or equal to ignore_index (F.cross_entropy fails on others too;
     a kernel would read past the row). One host sync on a GPU."""
+    return _checked_labels(labels, vocab, ignore_index)[0]
+
+
+def _checked_labels(labels, vocab, ignore_index):
+    """check_labels, and the mask of the labels that count (not ignore_index) where the check made one, else
+    None: the mean's denominator counts it."""
     labels = labels.long()
     if is_fake(labels) and not torch.compiler.is_compiling():  # no values to check (selective_ckpt.fit's step)
-        return labels
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+        return labels, None
     if torch.compiler.is_compiling():  # a branch on values would break the graph: the check runs inside it
-        torch._assert_async(~bad.any(), f"labels must be in [0, {vocab}) or ignore_index ({ignore_index})")
-        return labels
-    if bad.any():
-        raise ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); got "
-                         f"{labels[bad][0].item()} at position {bad.nonzero()[0].item()}")
-    return labels
+        torch._assert_async(~_bad_labels(labels, vocab, ignore_index).any(),
+                            f"labels must be in [0, {vocab}) or ignore_index ({ignore_index})")
+        return labels, None
+    if not labels.numel():
+        return labels, None
+    # the range of the counted labels (the ignored ones as 0) proves them all valid in fewer passes than the exact
+    # test; only labels it does not clear (or vocab 0) take that test
+    counted = labels != ignore_index
+    lo, hi = torch.stack(torch.where(counted, labels, 0).aminmax()).tolist()  # one read to the host
+    if lo < 0 or hi >= vocab:
+        bad = _bad_labels(labels, vocab, ignore_index)
+        if bad.any():
+            raise ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); got "
+                             f"{labels[bad][0].item()} at position {bad.nonzero()[0].item()}")
+    return labels, counted
+
+
+def _bad_labels(labels, vocab, ignore_index):
+    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
 
 
 def _autocast_operands(hidden, weight, bias):
@@ -278,26 +331,32 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     chunk_bytes bounds the transient logits of one chunk (see `chunk_rows`). Under autocast the head
     computes in the autocast dtype. Nothing of size N x V is kept for backward.
     """
-    labels = check_cross_entropy_args(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing,
-                                      softcap, num_items_in_batch, chunk_bytes)
+    vocab = _check_operands(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap,
+                            num_items_in_batch, chunk_bytes)
+    labels, counted = _checked_labels(labels, vocab, ignore_index)
     hidden, weight, bias = _autocast_operands(hidden, weight, bias)
     hidden = hidden.contiguous()  # dhidden is written row block by row block
     n_tokens, h = hidden.shape
     rows = chunk_rows(n_tokens, weight.shape[0], h, hidden.element_size(), chunk_bytes)
     tracked = torch.is_grad_enabled()
-    needs = tuple(tracked and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    needs = (tracked and hidden.requires_grad, tracked and weight.requires_grad,
+             tracked and bias is not None and bias.requires_grad)
     if num_items_in_batch is not None:
         denom = num_items_in_batch
     elif reduction == "mean":
-        denom = (labels != ignore_index).sum()
+        # a sum of the bools would convert them first: slower
+        denom = torch.count_nonzero(labels != ignore_index if counted is None else counted)
     else:
         denom = None
     if isinstance(denom, torch.Tensor):
         denom = denom.to(hidden.device)
     cfg = (int(ignore_index), float(label_smoothing), float(softcap or 0.0))
-    with torch.autocast(hidden.device.type, enabled=False):
-        return _LinearCrossEntropy.apply(hidden, weight, bias, labels, denom, "none" if reduction == "none" else
-                                         "reduced", cfg, rows, needs)
+    args = (hidden, weight, bias, labels, denom, "none" if reduction == "none" else "reduced", cfg, rows, needs)
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device):
+        return _LinearCrossEntropy.apply(*args)
+    with torch.autocast(device, enabled=False):  # the head's matmuls stay in the dtype _autocast_operands chose
+        return _LinearCrossEntropy.apply(*args)
 
 
 class _LogitsCrossEntropy(torch.autograd.Function):
@@ -305,8 +364,7 @@ class _LogitsCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, cfg):
-        ones = _stat_scalar(1.0, logits)
-        _, loss = cross_entropy_rows_op(logits.contiguous(), labels, ones, *cfg, False)
+        _, loss = cross_entropy_rows_op(logits.contiguous(), labels, _unit_scale(logits), *cfg, False)
         ctx.cfg = cfg
         ctx.save_for_backward(logits, labels)
         return loss
