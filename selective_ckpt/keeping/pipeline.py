@@ -703,6 +703,11 @@ def observed():
     return getattr(_state, "observer", None) is not None
 
 
+def entered():
+    """Whether a layer pipeline is entered on this thread (tags and save classes have a reader)."""
+    return _current() is not None
+
+
 def active():
     """Whether outputs registered now would be dropped (a rebuilding pipeline is active on this thread)."""
     current = _current()

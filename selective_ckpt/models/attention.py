@@ -254,10 +254,18 @@ def _cu_seqlens(kwargs, name):
 def _compute_dtype(query):
     """The dtype SDPA runs in for `query`: autocast's lower precision when autocast is on (it casts
     q, k, v there, whatever RoPE promoted them to), else query's own."""
-    kind = query.device.type
+    kind = "cpu" if query.is_cpu else query.device.type
     if torch.is_autocast_enabled(kind) and query.dtype in (torch.float32, torch.float64):
         return torch.get_autocast_dtype(kind)
     return query.dtype
+
+
+def _in_compute_dtype(query, key, value):
+    """q, k, v cast to _compute_dtype(query) (themselves where they have it)."""
+    dtype = _compute_dtype(query)
+    if query.dtype == dtype and key.dtype == dtype and value.dtype == dtype:
+        return query, key, value
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def weights_requested(module, kwargs):
@@ -430,11 +438,16 @@ def _own_buffers(query, key, value, value_buffer_kept=False):
     a v whose buffer the layer keeps for another reason (`value_buffer_kept`)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # compiled: the partitioner picks what is kept
         return query, key, value
-    out = [query, key, value]
-    storages = [(storage_id(t), storage_bytes(t)) for t in out]
+    out = (query, key, value)
+    # only a view into a larger buffer may be copied: storages are told apart only when there is one
+    larger = [storage_bytes(t) > t.nbytes for t in out]
+    if not any(larger):
+        return out
+    out = list(out)
+    ids = [storage_id(t) for t in out]
     for i, t in enumerate(out):
-        shared = any(storages[j][0] == storages[i][0] for j in range(3) if j != i) or (i == 2 and value_buffer_kept)
-        if not shared and storages[i][1] > t.numel() * t.element_size():
+        shared = any(ids[j] == ids[i] for j in range(3) if j != i) or (i == 2 and value_buffer_kept)
+        if larger[i] and not shared:
             out[i] = t.contiguous() if not t.is_contiguous() else t.clone()
     return tuple(out)
 
@@ -488,8 +501,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
         if pad is not None:
             raise ConversionError(f"{name}: cu_seq_lens_q cannot be combined with padding")
         cu = cu_kw
-    dtype = _compute_dtype(query)
-    query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype), value_buffer_kept)
+    query, key, value = _own_buffers(*_in_compute_dtype(query, key, value), value_buffer_kept)
     seed = rng.draw_seed_tensor(query.device) if dropout > 0 else None
     sinks = _sinks(kwargs)
     o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu,
@@ -540,8 +552,7 @@ def _chunked(module, name, chunk, query, key, value, attention_mask, dropout, sc
             raise ConversionError(f"{name}: cu_seq_lens_q disagrees with the documents of the attention mask")
     if cu is None:
         return None
-    dtype = _compute_dtype(query)
-    query, key, value = _own_buffers(query.to(dtype), key.to(dtype), value.to(dtype))
+    query, key, value = _own_buffers(*_in_compute_dtype(query, key, value))
     return chunked_attention.attend(query, key, value, cu, scaling), None
 
 

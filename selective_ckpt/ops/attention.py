@@ -139,6 +139,8 @@ fast_eager(attention_bwd_op)
 
 
 def _check_qkv(q, k, v):
+    if _plain_qkv(q, k, v):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -149,26 +151,47 @@ def _check_qkv(q, k, v):
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"q, k and v must share one dtype: q is {q.dtype}, {name} is {t.dtype}")
-        if t.device != q.device:
+        if not (t.is_cpu and q.is_cpu) and t.device != q.device:  # CPU tensors: one device, without making two
             raise ValueError(f"q, k and v must be on one device: q is on {q.device}, {name} on {t.device}")
     B, H, Sq, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k must have shape [B={B}, Hkv, Sk, D={D}] like q, got {list(k.shape)}")
-    if k.shape[1] < 1 or H % k.shape[1]:
+    ks, vs = k.shape, v.shape
+    if ks[0] != B or ks[3] != D:
+        raise ValueError(f"k must have shape [B={B}, Hkv, Sk, D={D}] like q, got {list(ks)}")
+    if ks[1] < 1 or H % ks[1]:
         raise ValueError(f"k and v must have a number of heads Hkv that divides q's H={H} (grouped-query "
-                         f"attention: query head h reads kv head h // (H // Hkv)), got Hkv={k.shape[1]}")
-    if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v must have shape [B, Hkv, Sk, Dv] with k's {list(k.shape[:3])}, got {list(v.shape)}")
-    Dv = v.shape[3]
+                         f"attention: query head h reads kv head h // (H // Hkv)), got Hkv={ks[1]}")
+    if vs[:3] != ks[:3]:
+        raise ValueError(f"v must have shape [B, Hkv, Sk, Dv] with k's {list(ks[:3])}, got {list(vs)}")
+    Dv = vs[3]
     for name, dim in (("head dim D (the last dim of q and k)", D), ("value head dim Dv (the last dim of v)", Dv)):
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"{name} must be in [1, {MAX_HEAD_DIM}], got {dim}")
-    if H < 1 or (k.shape[2] < 1 and B * Sq > 0):
+    if H < 1 or (ks[2] < 1 and B * Sq > 0):
         raise ValueError(f"H and Sk must be at least 1 (B = 0 or Sq = 0 give an empty output), got q "
-                         f"{list(q.shape)} and k {list(k.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 and t.shape[-1] > 1:  # a size-1 dim's stride is never used
+                         f"{list(q.shape)} and k {list(ks)}")
+    for name, t, d in (("q", q, D), ("k", k, D), ("v", v, Dv)):
+        if d > 1 and t.stride(-1) != 1:  # a size-1 dim's stride is never used
             raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+
+
+def _plain_qkv(q, k, v):
+    """Whether _check_qkv accepts q, k, v for the common case it is quick to see (one CPU dtype, heads grouped
+    evenly, contiguous last dims), in fewer steps than its checks, which name what is wrong otherwise."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return False
+    dtype = q.dtype
+    if dtype not in SUPPORTED_DTYPES or k.dtype != dtype or v.dtype != dtype:
+        return False
+    if not (q.is_cpu and k.is_cpu and v.is_cpu):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        return False
+    B, H, _, D = qs
+    Bk, Hkv, Sk, Dk = ks
+    return (Bk == B and Dk == D and vs[:3] == ks[:3] and 1 <= Hkv <= H and H % Hkv == 0 and Sk >= 1
+            and 1 <= D <= MAX_HEAD_DIM and 1 <= vs[3] <= MAX_HEAD_DIM
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
 def _check_mask(mask, q, k):
@@ -282,6 +305,13 @@ def check_sinks(sinks, q, name="sinks"):
     return sinks
 
 
+def _tokens_major(q):
+    """Whether q [B, H, S, D] is a [B, S, H, D] contiguous buffer viewed into heads (q.transpose(1, 2) contiguous);
+    its strides are read first, as a projection's output viewed into heads has exactly those."""
+    B, H, S, D = q.shape
+    return q.stride() == (S * H * D, D, H * D, 1) or q.transpose(1, 2).is_contiguous()
+
+
 def _cpu_flash_as_itself(q, k, v, causal, scale):
     """o from PyTorch's CPU flash kernel under its own autograd node, where "auto" picks that kernel for the call
     (attention_dispatch.CPU_FLASH_BELOW), or None. The node keeps q, k, v, o and the logsumexp, what the op keeps
@@ -292,14 +322,19 @@ def _cpu_flash_as_itself(q, k, v, causal, scale):
     op: other layouts, a forced "sdpa" (the op's path, which its tests hold), autocast, and wherever the op's direct
     path would not run (torch.compile, dispatch modes, subclasses). The choice reads only the call and the setting,
     so a checkpoint's re-run of the forward makes the same one."""
-    if not attention_dispatch.cpu_auto_flash(q.dtype, k.shape[2]) or backend.attention_setting() != "auto":
+    if not attention_dispatch.cpu_auto_flash(q.dtype, k.shape[2]):
         return None
-    if not q.transpose(1, 2).is_contiguous():  # the kernel lays o out as q: the op copies it into its buffer
+    setting = backend.attention_setting()
+    if setting != "auto":
         return None
     if torch.is_autocast_enabled("cpu") or not eager_ok((q, k, v)):
         return None
-    if attention_dispatch.choose_for(q, k, None, None, causal, 0, 0.0, 0.0, 0) != attention_dispatch.CPU_FLASH:
+    if not _tokens_major(q):  # the kernel lays o out as q: the op copies it into its buffer
         return None
+    if attention_dispatch.choose_plain_cpu(q, k, causal, setting) != attention_dispatch.CPU_FLASH:
+        return None
+    if not pipeline.entered():  # nothing reads tags (a fused layer's call, or no policy around)
+        return attention_dispatch.cpu_flash_as_itself(q, k, v, causal, scale)[0]
     for t in (q, k, v):
         pipeline.tag(t, "qkv")
     previous = pipeline.saving_as("attention")
@@ -338,6 +373,11 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     row with nothing to attend still gives 0. Its gradient is summed in fp32 over batch and rows.
     """
     _check_qkv(q, k, v)
+    if (key_padding_mask is None and seed is None and sliding_window is None and cu_seqlens is None and softcap is None
+            and sinks is None and type(q_offset) is int and q_offset == 0 and type(dropout_p) is float
+            and dropout_p == 0.0 and type(causal) is bool):
+        # nothing but causal and the scale (a model layer's common call): the checks below would find nothing else
+        return _run(q, k, v, None, None, causal, 0, 0.0, _check_scale(softmax_scale, q.shape[-1]), None, 0.0, 0, None)
     check_bool(causal, "causal")
     rng.threshold(dropout_p, "dropout_p")
     mask = _check_mask(key_padding_mask, q, k)
@@ -347,6 +387,12 @@ def attention(q, k, v, causal=False, dropout_p=0.0, softmax_scale=None, key_padd
     scale = _check_scale(softmax_scale, q.shape[-1])
     cap = check_softcap(softcap)
     sinks = check_sinks(sinks, q)
+    return _run(q, k, v, mask, cu_seqlens, causal, window, dropout_p, scale, seed, cap, offset, sinks)
+
+
+def _run(q, k, v, mask, cu_seqlens, causal, window, dropout_p, scale, seed, cap, offset, sinks):
+    """attention's o from its checked arguments: PyTorch's CPU flash kernel under its own node where "auto" picks it
+    for a call that needs nothing else (_cpu_flash_as_itself), else the op."""
     if (q.is_cpu and mask is None and cu_seqlens is None and not window and not offset and not dropout_p and not cap
             and sinks is None and v.shape[-1] == q.shape[-1]):
         o = _cpu_flash_as_itself(q, k, v, causal, scale)

@@ -173,6 +173,28 @@ def choose_for(q, k, mask, cu_seqlens, causal, window, dropout_p, softcap, q_off
     return name
 
 
+_PLAIN_CPU = {}  # (setting, dtype, q shape, k shape, causal) -> choose_for's kernel for a plain CPU call
+_PLAIN_CPU_MAX = 1024  # distinct shapes remembered (a run with varying lengths starts over past this)
+
+
+def choose_plain_cpu(q, k, causal, setting):
+    """choose_for(q, k) for a CPU call without padding, documents, window, dropout, soft-cap, offset or extra
+    argument, under `setting` (backend.attention_setting(), read by the caller): the same kernel, remembered per
+    shape and setting (choose is a pure function of its Call, and for such a call the Call is made of these), as
+    building the Call costs as much as a small call's kernel. While choices are logged, choose_for itself, which
+    logs them."""
+    if _log.isEnabledFor(logging.DEBUG):
+        return choose_for(q, k, None, None, causal, 0, 0.0, 0.0, 0)
+    key = (setting, q.dtype, q.shape, k.shape, causal)
+    name = _PLAIN_CPU.get(key)
+    if name is None:
+        name = choose_for(q, k, None, None, causal, 0, 0.0, 0.0, 0)
+        if len(_PLAIN_CPU) >= _PLAIN_CPU_MAX:
+            _PLAIN_CPU.clear()
+        _PLAIN_CPU[key] = name
+    return name
+
+
 # ---------------------------------------------------------------------------------------------
 # The PyTorch kernels, adapted to the op's buffers
 
