@@ -324,7 +324,9 @@ def _decoder_layer_forward(self, *args, **kwargs):
     # pipeline sees only the checkpoint's saved inputs: the layer input, offloaded when the policy says so.
     x = args[0] if args else kwargs.get("hidden_states")
     watch, memo = False, None
-    if mode == "selective" and grad:
+    # "none" keeps everything where it is made, so the casts consumers make of norm outputs (autocast's, PEFT's) are
+    # what it keeps of them: watched when the policy offloads by class, so they carry their source's class
+    if (mode == "selective" or (mode == "none" and policy.offloaded)) and grad:
         params = None
         if not pipeline.autocast_on():
             params = _parameters_of(modules or _modules_of(self))

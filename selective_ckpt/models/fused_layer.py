@@ -444,7 +444,7 @@ class _CastLinear(torch.autograd.Function):
 
 
 def _linear(x, params, cd):
-    w, b = params["weight"], params["bias"]
+    w, b = params["weight"], params.get("bias")
     if w.dtype == cd and (b is None or b.dtype == cd) and x.dtype == cd:
         return F.linear(x, w, b)
     return _CastLinear.apply(x, w, b, cd)
@@ -470,7 +470,8 @@ def fused_forward(layout, store, lora, hidden_states, attention_mask=None, posit
     attn = layout.attn
     B, S, _ = x.shape
     D = attn.head_dim
-    linears = [(p["weight"], p["bias"]) for p in layout.qkv_params]
+    # .get: a base may hold no bias entry at all (fit's 4-bit stand-in sets a plain None)
+    linears = [(p["weight"], p.get("bias")) for p in layout.qkv_params]
     q, k, v = norm_linear(x, layout.norm_params[0]["weight"], None, linears, norm="rmsnorm", eps=rms_eps(layout.norm1),
                           offset=layout.offset1, store=store, adapters=_adapters(lora[:3], x.device))
     cos, sin = position_embeddings
@@ -496,9 +497,9 @@ def fused_forward(layout, store, lora, hidden_states, attention_mask=None, posit
         h = x + _linear(o, layout.o_params, compute_dtype(x))
     else:
         (a, bw, adapter), = _adapters(lora[3:4], x.device)
-        h = x + lora_linear(o, layout.o_params["weight"], layout.o_params["bias"], a, bw, adapter)
+        h = x + lora_linear(o, layout.o_params["weight"], layout.o_params.get("bias"), a, bw, adapter)
     pipeline.tag(h, "residual", if_untagged=True)
-    params = [t for p in layout.mlp_params for t in (p["weight"], p["bias"])]
+    params = [t for p in layout.mlp_params for t in (p["weight"], p.get("bias"))]
     return h + norm_mlp(h, layout.norm_params[1]["weight"], None, params, norm="rmsnorm", eps=rms_eps(layout.norm2),
                         offset=layout.offset2, mlp="gated", activation=layout.activation, store=store,
                         adapters=_adapters(lora[4:], x.device))
