@@ -275,9 +275,9 @@ def _lora_call(m, quantized, dtype, autocast):
         base = _quantized_base(quantized)
         if base is False:
             return False
-    if m is None:
-        return None if base is None else (None, None, 0.0, 0.0, False, base)
     alone = None if base is None else (None, None, 0.0, 0.0, False, base)
+    if m is None:
+        return alone
     if m.disable_adapters:
         return False if m.merged else alone
     if m.merged:

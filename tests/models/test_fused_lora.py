@@ -40,6 +40,15 @@ def _two_steps(model, ids, mask, autocast):
     return out
 
 
+def _assert_same_steps(got, want):
+    """Each step's (logits or loss, gradients) equal bit for bit, adapter gradients among them."""
+    for (out, grads), (out_g, grads_g) in zip(got, want):
+        assert torch.equal(out, out_g)
+        assert grads.keys() == grads_g.keys() and any("lora_A" in n for n in grads)
+        for n in grads:
+            assert torch.equal(grads[n], grads_g[n]), n
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 @pytest.mark.parametrize("lora", [{}, {"target_modules": ["q_proj", "v_proj", "down_proj"], "use_rslora": True},
                                   {"lora_dropout": 0.0}], ids=["all-linear", "some", "no-dropout"])
@@ -58,11 +67,7 @@ def test_lora_fused_and_generic_paths_give_the_same_bits(lora, autocast, monkeyp
     calls = len(fused_calls)
     steps_g = _two_steps(generic, ids, mask, autocast)
     assert len(fused_calls) == calls
-    for (logits, grads), (logits_g, grads_g) in zip(steps, steps_g):
-        assert torch.equal(logits, logits_g)
-        assert grads.keys() == grads_g.keys() and any("lora_A" in n for n in grads)
-        for n in grads:
-            assert torch.equal(grads[n], grads_g[n]), n
+    _assert_same_steps(steps, steps_g)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
@@ -198,8 +203,4 @@ def test_qlora_fused_and_generic_paths_give_the_same_bits(config, tmp_path, monk
     calls = len(fused_calls)
     want = steps(convert(build("llama", config, 2, tmp_path / "generic")))
     assert len(fused_calls) == calls
-    for (loss, grads), (loss_g, grads_g) in zip(got, want):
-        assert torch.equal(loss, loss_g)
-        assert grads.keys() == grads_g.keys() and any("lora_A" in n for n in grads)
-        for n in grads:
-            assert torch.equal(grads[n], grads_g[n]), n
+    _assert_same_steps(got, want)
