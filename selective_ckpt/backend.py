@@ -35,20 +35,40 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.floa
 _choice = [None, None]  # (the variable's value as last read, the choice it gave): read once, parsed again on change
 
 
+# The process environment as os.environ keeps it: on CPython a plain dict of encoded names and values, read directly
+# (the backend is asked at every kernel call, and os.environ's mapping methods, which encode the name, look it up and
+# decode the value, cost about a microsecond there); elsewhere os.environ itself. Values are compared as stored.
+_ENVIRON = getattr(os.environ, "_data", None)
+if type(_ENVIRON) is not dict or not hasattr(os.environ, "encodekey") or not hasattr(os.environ, "decodevalue"):
+    _ENVIRON = os.environ
+
+
+def _environ_key(name):
+    return name if _ENVIRON is os.environ else os.environ.encodekey(name)
+
+
+def _environ_text(raw):
+    return raw if raw is None or isinstance(raw, str) else os.environ.decodevalue(raw)
+
+
+_BACKEND_KEY = _environ_key(BACKEND_ENV)
+
+
 def _backend_choice():
-    value = os.environ.get(BACKEND_ENV)
-    if value == _choice[0] and _choice[1] is not None:  # the value the choice was parsed from
+    raw = _ENVIRON.get(_BACKEND_KEY)
+    if raw == _choice[0] and _choice[1] is not None:  # the value the choice was parsed from
         return _choice[1]
-    choice = (value or "auto").strip().lower() or "auto"
+    choice = (_environ_text(raw) or "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(_CHOICES)}, got {choice!r}")
-    _choice[:] = value, choice
+    _choice[:] = raw, choice
     return choice
 
 
 ATTENTION_ENV = "SELECTIVE_CKPT_ATTENTION"
 ATTENTION_CHOICES = ("auto", "ours", "sdpa", "sdpa_cpu_flash", "sdpa_flash", "sdpa_efficient")
 _attention = [None, None]  # as _choice, for ATTENTION_ENV
+_ATTENTION_KEY = _environ_key(ATTENTION_ENV)
 
 
 def _parse_attention(value, name):
@@ -60,11 +80,11 @@ def _parse_attention(value, name):
 
 def attention_setting() -> str:
     """Which attention kernels calls may run (ATTENTION_CHOICES): read once, parsed again on change."""
-    value = os.environ.get(ATTENTION_ENV)
-    if value == _attention[0] and _attention[1] is not None:
+    raw = _ENVIRON.get(_ATTENTION_KEY)
+    if raw == _attention[0] and _attention[1] is not None:
         return _attention[1]
-    choice = _parse_attention(value, ATTENTION_ENV)
-    _attention[:] = value, choice
+    choice = _parse_attention(_environ_text(raw), ATTENTION_ENV)
+    _attention[:] = raw, choice
     return choice
 
 
@@ -123,7 +143,7 @@ _cpp_kernels = {}  # (op family, fn) -> (its C++ adapter, None) or (None, _C.<op
 
 def call(op_family: str, fn: str, *args):
     """Runs kernel `fn` of `op_family` on the backend of its first tensor argument."""
-    like = _first_tensor(args)
+    like = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
     if not like.is_cpu or _backend_choice() == "triton":  # else C++: backend_for's rule, its fast path
         if backend_for(like) == "triton":
             return getattr(_triton_module(op_family), fn)(*args)

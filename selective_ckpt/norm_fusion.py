@@ -97,7 +97,8 @@ def _norm_grads(ctx, du, x, w, stats):
 def _linears_forward(ctx, y, u, params, seed):
     cd, adapters = ctx.cd, ctx.adapters
     if adapters is None:
-        outs = tuple(F.linear(u, w.to(cd), _cast(b, cd)) for w, b in zip(params[::2], params[1::2]))
+        outs = tuple([F.linear(u, w.to(cd), None if b is None else b.to(cd))
+                      for w, b in zip(params[::2], params[1::2])])
         return outs, params
     outs, inner = [], []
     for i, adapter in enumerate(adapters):
@@ -152,7 +153,8 @@ def _lora_linears_backward(ctx, douts, kept, need_u, need_params, rebuild):
 
 
 def _mlp_forward(ctx, y, u, params, seed):
-    cast = tuple(_cast(t, ctx.cd) for t in params)
+    cd = ctx.cd
+    cast = [None if t is None else t.to(cd) for t in params]  # _cast, as a list comprehension (per call)
     if ctx.mlp == "gated":
         out, gate, up, a = gated_mlp_forward(u, *cast, ctx.p, ctx.activation, seed, ctx.store)
         inner = (gate, up)
@@ -172,7 +174,8 @@ def _mlp_backward(ctx, douts, u, kept, seed, need_u, need_params, rebuild):
     if u is None:
         u = rebuild().to(ctx.cd)
     n = len(ctx.param_dtypes)
-    cast, inner = tuple(_cast(t, ctx.cd) for t in kept[:n]), kept[n:]
+    cd = ctx.cd
+    cast, inner = [None if t is None else t.to(cd) for t in kept[:n]], kept[n:]
     args = (douts[0].contiguous(), u, *inner, *cast, ctx.p)
     if ctx.mlp == "gated":
         grads = gated_mlp_backward(*args, ctx.activation, seed, (need_u, *need_params), dx_dtype=ctx.nd)
@@ -244,7 +247,7 @@ class _NormThen(torch.autograd.Function):
         ctx.op, ctx.norm, ctx.offset, ctx.consumer, ctx.cd, ctx.adapters = op, norm, offset, consumer, cd, adapters
         ctx.mlp, ctx.activation, ctx.p, ctx.store = mlp, activation, p, store
         ctx.has_norm_bias = norm_b is not None
-        ctx.param_dtypes = tuple(None if t is None else t.dtype for t in params)
+        ctx.param_dtypes = tuple([None if t is None else t.dtype for t in params])
         ctx.nd = x.dtype if norm == "rmsnorm" or cd == x.dtype else norm_dtype(x)
         y, stats = _norm_forward(norm, x, norm_w, norm_b, eps, offset, ctx.nd)
         u = y.to(cd)

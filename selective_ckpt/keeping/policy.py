@@ -23,6 +23,7 @@ be rebuilt together is decided by the mechanisms that exist; any other combinati
 """
 
 import dataclasses
+import functools
 
 from ..validation import RECOMPUTE_MODES, check_mode
 
@@ -98,17 +99,19 @@ class LayerPolicy:
             raise ValueError("policy: attention cannot be offloaded under \"attention-kept\" (its outputs are held "
                              "by the checkpoint's cache, outside the layer's pipeline); keep it, or offload the input")
 
-    @property
+    # cached: read at every training call of a layer, and a frozen policy's fields never change (the values live in
+    # the instance dict, outside the fields that eq, hash and repr read)
+    @functools.cached_property
     def rebuilt(self):
         """The classes rebuilt in backward."""
         return frozenset(c for c in CLASSES if getattr(self, c) == "rebuild")
 
-    @property
+    @functools.cached_property
     def offloaded(self):
         """The classes copied to host memory in forward and back before the layer's backward."""
         return frozenset(c for c in CLASSES if getattr(self, c) == "offload")
 
-    @property
+    @functools.cached_property
     def recompute(self):
         """The recompute mode that rebuilds what this policy rebuilds: "none", "selective" or "full"."""
         return _REBUILDS[self.rebuilt]

@@ -176,8 +176,7 @@ class ConvertedLayerState:
         modules clears the cast memo. Returns the layer's modules."""
         modules = _modules_of(self.layer)
         seen = self.seen
-        if seen is not None and list(map(weakref.ref, modules)) == seen and not any(
-                m is None or replaced(m) for m in (ref() for ref in self.patched)):
+        if seen is not None and list(map(weakref.ref, modules)) == seen and not self._patch_replaced():
             return modules
         restored = restore_patches(self.layer)
         if restored:
@@ -199,6 +198,15 @@ class ConvertedLayerState:
         self.seen = [weakref.ref(m) for m in modules]
         self.patched = tuple(weakref.ref(m) for m in modules if PATCH in m.__dict__)
         return modules
+
+    def _patch_replaced(self):
+        """Whether a module patched at the last look is gone or its patched forward replaced (a loop, not generators:
+        this runs at every training call)."""
+        for ref in self.patched:
+            m = ref()
+            if m is None or replaced(m):
+                return True
+        return False
 
     def __getstate__(self):
         state = dict(self.__dict__)

@@ -150,7 +150,7 @@ class Layout:
 
     __slots__ = ("norm1", "attn", "q", "k", "v", "o", "norm2", "mlp", "gate", "up", "down", "activation",
                  "offset1", "offset2", "cache_kw", "window", "update_kwargs", "bypassed", "unpatched", "norm_params",
-                 "qkv_params", "o_params", "mlp_params", "loras", "quantized", "plain_params")
+                 "qkv_params", "o_params", "mlp_params", "loras", "quantized", "plain_params", "plain")
 
     def __init__(self, layer, norm1, offset1, norm2, offset2, activation, form):
         attn, mlp = layer.self_attn, layer.mlp
@@ -163,6 +163,8 @@ class Layout:
         # each projection's quantized base (a LoRA layer's 4-bit one) or None; the plain Linears' parameter dicts
         self.quantized = tuple(None if type(m) is torch.nn.Linear else m for m in linears)
         self.plain_params = tuple(m._parameters for m, q in zip(linears, self.quantized) if q is None)
+        # plain Linears alone: no projection has a LoRA call (_lora_calls)
+        self.plain = all(m is None for m in self.loras + self.quantized)
         self.offset1, self.offset2, self.activation = offset1, offset2, activation
         # the keyword the layer's kv cache arrives by; what reads the sliding window the attention module passes
         # (None: it passes none); whether it hands the cache's update its kwargs
@@ -312,8 +314,13 @@ def _lora_call(m, quantized, dtype, autocast):
 
 def _lora_calls(layout, dtype, autocast):
     """_lora_call of each projection, or False where one needs PEFT's forward."""
-    calls = tuple(_lora_call(m, q, dtype, autocast) for m, q in zip(layout.loras, layout.quantized))
-    return False if any(c is False for c in calls) else calls
+    if layout.plain:
+        return _PLAIN_CALLS
+    calls = tuple([_lora_call(m, q, dtype, autocast) for m, q in zip(layout.loras, layout.quantized)])
+    return False if False in calls else calls
+
+
+_PLAIN_CALLS = (None,) * len(_PROJECTIONS + ("gate_proj", "up_proj", "down_proj"))
 
 
 def _hooked(modules):
@@ -363,13 +370,16 @@ def applies(layout, x, kwargs, store=False):
     if _OTHER_CACHE_KW[layout.cache_kw] in kwargs or kwargs.get("output_attentions"):
         return None
     pe = kwargs.get("position_embeddings")
-    if not isinstance(pe, tuple) or len(pe) != 2 or any(
-            type(t) not in PLAIN_TENSOR_TYPES or t.requires_grad or t.dim() != 3 for t in pe):
+    if not isinstance(pe, tuple) or len(pe) != 2:
         return None
+    for t in pe:  # loops, not generators: this runs at every training call
+        if type(t) not in PLAIN_TENSOR_TYPES or t.requires_grad or t.dim() != 3:
+            return None
     if compat.attention_implementation(layout.attn.config) != attention.NAME or _hooked(layout.bypassed):
         return None
-    if any("forward" in m.__dict__ for m in layout.unpatched):  # a forward of its own set since: it must run
-        return None
+    for m in layout.unpatched:
+        if "forward" in m.__dict__:  # a forward of its own set since: it must run
+            return None
     collected = compat.active_output_collector()
     if collected is not None and "attentions" in collected:
         return None
