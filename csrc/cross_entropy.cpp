@@ -202,7 +202,24 @@ void cross_entropy_rows_entry(int dtype, uintptr_t logits, int64_t row_stride, u
   });
 }
 
+// One pass over int64 labels [n] on the host: the number that count (are not ignore_index) when every label is in
+// [0, vocab) or ignore_index, else -(1 + the position of the first that is neither). It stands in for the label check
+// and the mean's count, which as tensor ops are several small ops and a read back per step.
+int64_t cross_entropy_labels(uintptr_t labels, int64_t n, int64_t vocab, int64_t ignore_index) {
+  const int64_t* y = as_ptr<const int64_t>(labels);
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = y[i];
+    if (v == ignore_index) continue;
+    if (v < 0 || v >= vocab) return -1 - i;
+    ++count;
+  }
+  return count;
+}
+
 void register_cross_entropy(py::module_& m) {
+  m.def("cross_entropy_labels", &cross_entropy_labels, py::arg("labels"), py::arg("n"), py::arg("vocab"),
+        py::arg("ignore_index"));
   m.def("cross_entropy_rows", &cross_entropy_rows_entry, py::arg("dtype"), py::arg("logits"), py::arg("row_stride"),
         py::arg("labels"), py::arg("scale"), py::arg("scale_stride"), py::arg("lse"), py::arg("loss"),
         py::arg("rows"), py::arg("n"), py::arg("ignore_index"), py::arg("label_smoothing"), py::arg("softcap"),

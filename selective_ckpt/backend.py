@@ -159,6 +159,12 @@ def call(op_family: str, fn: str, *args):
                   *[a.data_ptr() if isinstance(a, torch.Tensor) else 0 if a is None else a for a in args])
 
 
+def cpu_label_count(labels, vocab, ignore_index):
+    """Contiguous int64 CPU labels, in one C++ pass: how many count (are not ignore_index) when each is in [0, vocab) or
+    ignore_index, else -(1 + the position of the first that is neither). A host check, the same on any backend."""
+    return _C.cross_entropy_labels(labels.data_ptr(), labels.numel(), vocab, ignore_index)
+
+
 # ---------------------------------------------------------------------------------------------
 # C++ adapters
 

@@ -175,6 +175,16 @@ def _stat_scalar(value, like):
     return t.reshape(1).to(device=like.device, dtype=stat_dtype(like.dtype))
 
 
+def _reciprocal(denom, like):
+    """1 / denom as a [1] tensor of like's statistics dtype: the reciprocal of denom rounded to that dtype, with the
+    bits of _stat_scalar(denom, like).reciprocal(). An int below 2**24 is exact in float32, and its reciprocal in
+    double rounded to float32 is the correctly rounded float32 one (double's 53 bits are more than 2 * 24 + 2): one
+    op instead of four."""
+    if type(denom) is int and 0 < denom < 1 << 24:
+        return torch.full((1,), 1.0 / denom, dtype=stat_dtype(like.dtype), device=like.device)
+    return _stat_scalar(denom, like).reciprocal()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, denom, reduction, cfg, rows_per_chunk, needs):
@@ -184,7 +194,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, bias, labels)
             return loss
         # The gradient of the reduced loss per row is 1 / denom: formed now, scaled by grad_output later.
-        scale = _unit_scale(hidden) if denom is None else _stat_scalar(denom, hidden).reciprocal()
+        scale = _unit_scale(hidden) if denom is None else _reciprocal(denom, hidden)
         loss, dx, dw, db = _head_pass(hidden, weight, bias, labels, scale, cfg, rows_per_chunk, any(needs), needs)
         if torch.compiler.is_compiling():
             # traced: the gradients are saved tensors of the graph (a list on ctx emptied in backward would be a
@@ -279,9 +289,17 @@ def check_labels(labels, vocab, ignore_index):
 
 
 def _checked_labels(labels, vocab, ignore_index):
-    """check_labels, and the mask of the labels that count (not ignore_index) where the check made one, else
-    None: the mean's denominator counts it."""
+    """check_labels, and what the check learned of the labels that count (not ignore_index): their number (an int,
+    plain CPU labels: one C++ pass), their mask (a tensor), or None; the mean's denominator is their count."""
     labels = labels.long()
+    if labels.is_cpu and eager_ok((labels,)):
+        flat = labels.reshape(-1).contiguous()
+        count = backend.cpu_label_count(flat, vocab, int(ignore_index))
+        if count < 0:
+            at = -1 - count
+            raise ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); got "
+                             f"{flat[at].item()} at position {at}")
+        return labels, count
     if is_fake(labels) and not torch.compiler.is_compiling():  # no values to check (selective_ckpt.fit's step)
         return labels, None
     if torch.compiler.is_compiling():  # a branch on values would break the graph: the check runs inside it
@@ -345,7 +363,8 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
         denom = num_items_in_batch
     elif reduction == "mean":
         # a sum of the bools would convert them first: slower
-        denom = torch.count_nonzero(labels != ignore_index if counted is None else counted)
+        denom = counted if isinstance(counted, int) else \
+            torch.count_nonzero(labels != ignore_index if counted is None else counted)
     else:
         denom = None
     if isinstance(denom, torch.Tensor):

@@ -1,5 +1,8 @@
 """linear_cross_entropy's eager path (the kernel called on the pass's own buffers) gives the bits of the custom op's
-dispatcher path, one chunk or several; and the label check names the first bad label whatever the values."""
+dispatcher path, one chunk or several; and the label check names the first bad label whatever the values, on both of
+its paths: one C++ pass over plain CPU labels, tensor ops elsewhere (here: under a dispatch mode)."""
+
+import contextlib
 
 import pytest
 import torch
@@ -54,20 +57,43 @@ def test_eager_path_gives_the_dispatcher_bits(dtype, bias, chunk_bytes, reductio
     ([3, 5, 11, 5, 0], 5, (11, 2)),           # ignore_index inside the vocabulary
     ([3, 12, 4, -100, 0], 12, (-100, 3)),     # ignore_index above the vocabulary
 ])
-def test_bad_labels_are_named(labels, ignore_index, bad):
+@pytest.mark.parametrize("path", ["host pass", "tensor ops"])
+def test_bad_labels_are_named(labels, ignore_index, bad, path):
     value, position = bad
-    with pytest.raises(ValueError, match=rf"labels must be in \[0, 10\) or ignore_index \({ignore_index}\); got "
-                                         rf"{value} at position {position}"):
-        check_labels(torch.tensor(labels), 10, ignore_index)
-    x, w = torch.randn(5, 4), torch.randn(10, 4)
-    with pytest.raises(ValueError, match=rf"got {value} at position {position}"):
-        linear_cross_entropy(x, w, torch.tensor(labels), ignore_index=ignore_index)
+    with _Dispatched() if path == "tensor ops" else contextlib.nullcontext():
+        with pytest.raises(ValueError, match=rf"labels must be in \[0, 10\) or ignore_index \({ignore_index}\); "
+                                             rf"got {value} at position {position}"):
+            check_labels(torch.tensor(labels), 10, ignore_index)
+        x, w = torch.randn(5, 4), torch.randn(10, 4)
+        with pytest.raises(ValueError, match=rf"got {value} at position {position}"):
+            linear_cross_entropy(x, w, torch.tensor(labels), ignore_index=ignore_index)
 
 
 @pytest.mark.parametrize("labels,ignore_index,vocab", [
     ([0, 9, -100, 5], -100, 10), ([5, 5, 5, 5], 5, 10), ([12, 0, 9, 12], 12, 10), ([-100] * 4, -100, 0),
     ([], -100, 10),
 ])
-def test_valid_labels_pass(labels, ignore_index, vocab):
+@pytest.mark.parametrize("path", ["host pass", "tensor ops"])
+def test_valid_labels_pass(labels, ignore_index, vocab, path):
     y = torch.tensor(labels, dtype=torch.long)
-    assert check_labels(y.int(), vocab, ignore_index).dtype == torch.int64
+    with _Dispatched() if path == "tensor ops" else contextlib.nullcontext():
+        assert check_labels(y.int(), vocab, ignore_index).dtype == torch.int64
+
+
+@pytest.mark.parametrize("num_items_in_batch", [None, 7, torch.tensor(7)])
+def test_the_mean_counts_the_labels_alike_on_both_paths(num_items_in_batch):
+    """The mean's denominator: the host pass's count (an int) and the tensor ops' count give the same bits."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(23, 8, generator=g, requires_grad=True), torch.randn(31, 8, generator=g, requires_grad=True)
+    y = torch.randint(0, 31, (23,), generator=g)
+    y[1::3] = -100
+    got = []
+    for path in ("host pass", "tensor ops"):
+        with _Dispatched() if path == "tensor ops" else contextlib.nullcontext():
+            loss = linear_cross_entropy(x, w, y, num_items_in_batch=num_items_in_batch)
+            dx, dw = torch.autograd.grad(loss, (x, w))
+        got.append((loss, dx, dw))
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
+    reference = torch.nn.functional.cross_entropy(x.double() @ w.double().t(), y, reduction="sum")
+    assert torch.allclose(got[0][0].double(), reference / (num_items_in_batch or int((y != -100).sum())), rtol=1e-5)
