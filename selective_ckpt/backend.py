@@ -144,7 +144,8 @@ _cpp_kernels = {}  # (op family, fn) -> (its C++ adapter, None) or (None, _C.<op
 def call(op_family: str, fn: str, *args):
     """Runs kernel `fn` of `op_family` on the backend of its first tensor argument."""
     like = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
-    if not like.is_cpu or _backend_choice() == "triton":  # else C++: backend_for's rule, its fast path
+    # else C++: backend_for's rule, its fast path (the variable unset: "auto", nothing to parse)
+    if not like.is_cpu or (_ENVIRON.get(_BACKEND_KEY) is not None and _backend_choice() == "triton"):
         if backend_for(like) == "triton":
             return getattr(_triton_module(op_family), fn)(*args)
     key = (op_family, fn)

@@ -37,8 +37,9 @@ from .ops.rms_norm import rms_norm_apply, rms_norm_bwd, rms_norm_fwd
 from .validation import NORMS, check_choice
 
 MLP_KINDS = ("plain", "gated")
-# _NormThen's inputs before x: op, norm, eps, offset, consumer, mlp, activation, p, seed, store, cd, adapters
-_SETTINGS = 12
+# _NormThen's inputs before x: the settings (op, norm, eps, offset, consumer, mlp, activation, p, store, cd, adapters:
+# one tuple, as autograd.Function.apply does work per argument) and the seed (a tensor, so an input of its own)
+_SETTINGS = 2
 
 
 def norm_dtype(x):
@@ -237,13 +238,13 @@ _CONSUMERS = {"linear": (_linears_forward, _linears_backward), "mlp": (_mlp_forw
 
 
 class _NormThen(torch.autograd.Function):
-    """x -> norm -> consumer. Inputs after the settings: x, the norm's weight and bias, then the
+    """x -> norm -> consumer. Inputs after the settings and the seed: x, the norm's weight and bias, then the
     consumer's (weight, bias) pairs. Keeps x, the norm statistics, what the consumer keeps, the
     dropout seed, and the norm output when `store`."""
 
     @staticmethod
-    def forward(ctx, op, norm, eps, offset, consumer, mlp, activation, p, seed, store, cd, adapters, x, norm_w,
-                norm_b, *params):
+    def forward(ctx, settings, seed, x, norm_w, norm_b, *params):
+        op, norm, eps, offset, consumer, mlp, activation, p, store, cd, adapters = settings
         ctx.op, ctx.norm, ctx.offset, ctx.consumer, ctx.cd, ctx.adapters = op, norm, offset, consumer, cd, adapters
         ctx.mlp, ctx.activation, ctx.p, ctx.store = mlp, activation, p, store
         ctx.has_norm_bias = norm_b is not None
@@ -305,8 +306,8 @@ def norm_linear(x, norm_w, norm_b, linears, *, norm="layernorm", eps=1e-5, offse
     settings = None
     if adapters is not None:
         params, settings = _with_adapters(linears, adapters, store)
-    return _NormThen.apply("norm_linear", norm, float(eps), float(offset), "linear", None, None, 0.0, None,
-                           bool(store), compute_dtype(x), settings, x, norm_w, norm_b, *params)
+    return _NormThen.apply(("norm_linear", norm, float(eps), float(offset), "linear", None, None, 0.0, bool(store),
+                            compute_dtype(x), settings), None, x, norm_w, norm_b, *params)
 
 
 def _with_adapters(linears, adapters, store):
@@ -353,5 +354,5 @@ def norm_mlp(x, norm_w, norm_b, params, *, norm="layernorm", eps=1e-5, offset=0.
             raise ValueError("adapters apply to a gated MLP without dropout")
         params, settings = _with_adapters(list(zip(params[::2], params[1::2])), adapters, store)
         consumer = "lora_mlp"
-    return _NormThen.apply("norm_mlp", norm, float(eps), float(offset), consumer, mlp, activation, float(dropout_p),
-                           seed, bool(store), compute_dtype(x), settings, x, norm_w, norm_b, *params)
+    return _NormThen.apply(("norm_mlp", norm, float(eps), float(offset), consumer, mlp, activation, float(dropout_p),
+                            bool(store), compute_dtype(x), settings), seed, x, norm_w, norm_b, *params)
