@@ -68,6 +68,19 @@ def attention_implementation(config):
     return getattr(config, "_attn_implementation", None)
 
 
+_NOT_SET = object()
+
+
+def eager_attention_implementation(config):
+    """attention_implementation(config) for eager code only (not traced: it reads the instance dict as object does),
+    without the Python levels of a config's attribute reads (its __getattribute__ overrides, the property): a check
+    made at every training call of a layer."""
+    # transformers 5.17-5.25: the _attn_implementation property returns _attn_implementation_internal, which its setter
+    # writes into the instance dict; elsewhere (not in that dict) the property as attention_implementation reads it
+    value = object.__getattribute__(config, "__dict__").get("_attn_implementation_internal", _NOT_SET)
+    return attention_implementation(config) if value is _NOT_SET else value
+
+
 def requested_attention_implementation(config):
     """The attention implementation set on `config` by the user (None: the model type's default)."""
     # transformers 5.17-5.25: PretrainedConfig._attn_implementation_internal; gone: None (the default)
@@ -131,20 +144,29 @@ def set_layer_checkpoint_function(layer, fn):
     layer._gradient_checkpointing_func = fn
 
 
+_COLLECTOR = []  # [the ContextVar of transformers' output capturing, or None]: looked up once (an import per call costs)
+
+
 def active_output_collector():
     """The outputs transformers' output capturing collects in the model forward running now ({"attentions": [...],
     "router_logits": [...]}, the names asked for), or None outside any model forward."""
     # transformers 5.17-5.25: transformers.utils.output_capturing._active_collector; gone: None (config decides)
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
+    if _COLLECTOR:
+        variable = _COLLECTOR[0]
+    else:
+        try:
+            from transformers.utils.output_capturing import _active_collector as variable
+        except ImportError:
+            variable = None
+        if not torch.compiler.is_compiling():  # remembered from eager code (a traced call leaves no side effect)
+            _COLLECTOR.append(variable)
+    if variable is None:
         return None
     if torch.compiler.is_compiling():
         # dynamo cannot trace ContextVar.get: the collector is a plain global once the model forward that sets it is
         # traced too (`compiling`); a layer traced on its own (an eager model around it) gets None
-        return getattr(_active_collector, "global_var", None) if getattr(_active_collector, "compiling",
-                                                                           False) else None
-    return _active_collector.get()
+        return getattr(variable, "global_var", None) if getattr(variable, "compiling", False) else None
+    return variable.get()
 
 
 def is_output_capturing_hook(hook):

@@ -375,7 +375,7 @@ def applies(layout, x, kwargs, store=False):
     for t in pe:  # loops, not generators: this runs at every training call
         if type(t) not in PLAIN_TENSOR_TYPES or t.requires_grad or t.dim() != 3:
             return None
-    if compat.attention_implementation(layout.attn.config) != attention.NAME or _hooked(layout.bypassed):
+    if compat.eager_attention_implementation(layout.attn.config) != attention.NAME or _hooked(layout.bypassed):
         return None
     for m in layout.unpatched:
         if "forward" in m.__dict__:  # a forward of its own set since: it must run
