@@ -144,7 +144,8 @@ def set_layer_checkpoint_function(layer, fn):
     layer._gradient_checkpointing_func = fn
 
 
-_COLLECTOR = []  # [the ContextVar of transformers' output capturing, or None]: looked up once (an import per call costs)
+# [the ContextVar of transformers' output capturing, or None]: looked up once (an import per call costs)
+_COLLECTOR = []
 
 
 def active_output_collector():

@@ -44,14 +44,14 @@ _SETTINGS = 2
 
 def norm_dtype(x):
     """The dtype eager LayerNorm computes in for x: float32 under CUDA autocast, else x's dtype."""
-    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
         return torch.float32
     return x.dtype
 
 
 def compute_dtype(x):
     """The dtype eager matmuls run in for x: the autocast dtype when autocast is on, else x's."""
-    kind = x.device.type
+    kind = "cpu" if x.is_cpu else x.device.type  # is_cpu: no device object made (a call per node)
     if torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return x.dtype

@@ -260,7 +260,7 @@ def _compute_dtype(query):
     return query.dtype
 
 
-def _in_compute_dtype(query, key, value):
+def in_compute_dtype(query, key, value):
     """q, k, v cast to _compute_dtype(query) (themselves where they have it)."""
     dtype = _compute_dtype(query)
     if query.dtype == dtype and key.dtype == dtype and value.dtype == dtype:
@@ -452,34 +452,38 @@ def _own_buffers(query, key, value, value_buffer_kept=False):
     return tuple(out)
 
 
+def _name(module):
+    """How messages name the attention module (made only for one: a string per call costs)."""
+    return f"{type(module).__name__} (selective_ckpt attention)"
+
+
 def selective_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                         **kwargs):
     """transformers attention function: (o [B, S, H, D], weights or None). query [B, H, Sq, D], key/value [B, Hkv,
     Sk, D]. Weights come back only from a call that asks for them (computed by transformers' eager attention)."""
-    name = f"{type(module).__name__} (selective_ckpt attention)"
     if kwargs.get("position_bias") is not None:
-        raise ConversionError(f"{name}: position_bias is not supported by selective_ckpt.attention")
+        raise ConversionError(f"{_name(module)}: position_bias is not supported by selective_ckpt.attention")
     value_buffer_kept = kwargs.pop(VALUE_BUFFER_KEPT, False)
     tile = layer_tiles.current()
     if tile is not None:
-        return _tile_attention(module, name, tile, query, key, value, attention_mask, dropout, scaling, is_causal,
-                               kwargs)
+        return _tile_attention(module, _name(module), tile, query, key, value, attention_mask, dropout, scaling,
+                               is_causal, kwargs)
     if weights_requested(module, kwargs):
-        return _eager_attention(module, name, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return _eager_attention(module, _name(module), query, key, value, attention_mask, dropout, scaling, **kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     B, H, Sq, _ = query.shape
     Sk = key.shape[2]
     if Sq != Sk:
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-            _warn_once("cache", f"{name}: a call with earlier keys (a kv cache or prefix, Sq={Sq} != Sk={Sk}) and "
-                                "gradients runs transformers' SDPA attention, keeping what SDPA keeps (this call "
-                                "only; other calls keep the floor)")
+            _warn_once("cache", f"{_name(module)}: a call with earlier keys (a kv cache or prefix, Sq={Sq} != "
+                                f"Sk={Sk}) and gradients runs transformers' SDPA attention, keeping what SDPA keeps "
+                                "(this call only; other calls keep the floor)")
         return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if not causal:
-        raise ConversionError(f"{name}: only causal self-attention is supported")
+        raise ConversionError(f"{_name(module)}: only causal self-attention is supported")
     chunk = chunked_attention.chunk_size(module)
     if chunk is not None:
-        chunked = _chunked(module, name, chunk, query, key, value, attention_mask, dropout, scaling, kwargs)
+        chunked = _chunked(module, _name(module), chunk, query, key, value, attention_mask, dropout, scaling, kwargs)
         if chunked is not None:
             return chunked
     window = kwargs.get("sliding_window") or None
@@ -489,19 +493,20 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
     fake = is_fake(attention_mask) and not torch.compiler.is_compiling()
     if attention_mask is not None and not fake:
         try:
-            pad, cu = _cached_describe(attention_mask, B, Sq, window, name, H)
+            pad, cu = _cached_describe(attention_mask, B, Sq, window, _name(module), H)
         except Inexpressible as e:
             _warn_once("mask", f"{e}: such calls run transformers' SDPA attention with the mask as given, keeping "
                                "what SDPA keeps (warned once)")
             return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    cu_kw = _cu_seqlens(kwargs, name)
+    cu_kw = None if "cu_seq_lens_q" not in kwargs and "cu_seq_lens_k" not in kwargs else \
+        _cu_seqlens(kwargs, _name(module))
     if cu_kw is not None:
         if cu is not None and not torch.equal(cu, cu_kw):
-            raise ConversionError(f"{name}: cu_seq_lens_q disagrees with the documents of the attention mask")
+            raise ConversionError(f"{_name(module)}: cu_seq_lens_q disagrees with the documents of the attention mask")
         if pad is not None:
-            raise ConversionError(f"{name}: cu_seq_lens_q cannot be combined with padding")
+            raise ConversionError(f"{_name(module)}: cu_seq_lens_q cannot be combined with padding")
         cu = cu_kw
-    query, key, value = _own_buffers(*_in_compute_dtype(query, key, value), value_buffer_kept)
+    query, key, value = _own_buffers(*in_compute_dtype(query, key, value), value_buffer_kept)
     seed = rng.draw_seed_tensor(query.device) if dropout > 0 else None
     sinks = _sinks(kwargs)
     o = attention(query, key, value, True, float(dropout), scaling, pad, seed, sliding_window=window, cu_seqlens=cu,
@@ -552,7 +557,7 @@ def _chunked(module, name, chunk, query, key, value, attention_mask, dropout, sc
             raise ConversionError(f"{name}: cu_seq_lens_q disagrees with the documents of the attention mask")
     if cu is None:
         return None
-    query, key, value = _own_buffers(*_in_compute_dtype(query, key, value))
+    query, key, value = _own_buffers(*in_compute_dtype(query, key, value))
     return chunked_attention.attend(query, key, value, cu, scaling), None
 
 

@@ -48,8 +48,9 @@ from ..keeping import pipeline
 from ..lora_fusion import Adapter, FourBitBase, lora_linear
 from ..memory.ledger import is_ledger_hook
 from ..norm_fusion import compute_dtype, norm_linear, norm_mlp
+from ..ops.attention import attention as attention_op
 from ..storages import PLAIN_TENSOR_TYPES
-from . import attention
+from . import attention, chunked_attention
 from .patches import gate_up_mlp_forward, rms_eps, rms_norm_forward
 from .patching import PATCH
 from .peft import adapter_linear_forward
@@ -194,7 +195,9 @@ def layout_of(layer):
     if attn._modules.keys() != set(_PROJECTIONS) or mlp._modules.keys() != _MLP_CHILDREN:
         return None
     form = _verified_form(type(layer), type(attn))
-    if form is None or not getattr(attn, "is_causal", False):
+    # a chunked-attention layer (by the config's layer_types) runs the generic path: fused_forward's plain attention
+    # call has no chunks
+    if form is None or not getattr(attn, "is_causal", False) or chunked_attention.chunk_size(attn) is not None:
         return None
     if _patched_with(mlp, gate_up_mlp_forward) != {}:
         return None
@@ -380,10 +383,13 @@ def applies(layout, x, kwargs, store=False):
     for m in layout.unpatched:
         if "forward" in m.__dict__:  # a forward of its own set since: it must run
             return None
+    # attention weights asked for (by the running model forward's collector, or outside one by the config, as
+    # attention.weights_requested has it): the generic path's attention call makes them
     collected = compat.active_output_collector()
-    if collected is not None and "attentions" in collected:
+    if ("attentions" in collected) if collected is not None else \
+            getattr(layout.attn.config, "output_attentions", False):
         return None
-    autocast = torch.is_autocast_enabled(x.device.type)
+    autocast = torch.is_autocast_enabled("cpu" if x.is_cpu else x.device.type)  # is_cpu: no device object made
     if not _parameters_fit(layout, x, autocast):
         return None
     calls = _lora_calls(layout, x.dtype, autocast)
@@ -453,6 +459,20 @@ class _CastLinear(torch.autograd.Function):
         return dx, dw, db, None
 
 
+# what a plain causal self-attention call (_plain_attention) may carry besides q, k, v
+_PLAIN_ATTENTION_KWARGS = frozenset(("position_ids", "use_cache"))
+
+
+def _plain_attention(q, k, v, scaling):
+    """o [B, S, H, D] of attention.selective_attention for a call of this path with no mask, earlier keys, window,
+    dropout or other argument (a training step without padding): the same attention call, without the general one's
+    per-call questions, each of which has this path's answer: no layer tile (the fused modes have none), no weights
+    (`applies`), causal and not chunked (`layout_of`), q, k, v their own buffers (RoPE's outputs and v's own
+    projection output, never views into a larger one)."""
+    q, k, v = attention.in_compute_dtype(q, k, v)
+    return attention_op(q, k, v, True, 0.0, scaling).transpose(1, 2)
+
+
 def _linear(x, params, cd):
     w, b = params["weight"], params.get("bias")
     if w.dtype == cd and (b is None or b.dtype == cd) and x.dtype == cd:
@@ -497,11 +517,16 @@ def fused_forward(layout, store, lora, hidden_states, attention_mask=None, posit
         # originals, as the generic path's _attention_reads_own_kv has it
         if k_all.shape != k.shape or v_all.shape != v.shape:
             k, v = k_all, v_all
-    if layout.window is not None:
-        kwargs["sliding_window"] = layout.window(attn)
-    o, _ = attention.selective_attention(attn, q, k, v, attention_mask,
-                                         dropout=0.0 if not attn.training else attn.attention_dropout,
-                                         scaling=attn.scaling, **kwargs)
+    dropout = 0.0 if not attn.training else attn.attention_dropout
+    # a kv cache that held nothing before leaves this call's keys: attention is still plain self-attention
+    if attention_mask is None and layout.window is None and not dropout and q.shape[2] == k.shape[2] and \
+            kwargs.keys() <= _PLAIN_ATTENTION_KWARGS:
+        o = _plain_attention(q, k, v, attn.scaling)
+    else:
+        if layout.window is not None:
+            kwargs["sliding_window"] = layout.window(attn)
+        o, _ = attention.selective_attention(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling,
+                                             **kwargs)
     o = o.reshape(B, S, -1).contiguous()
     if lora[3] is None:
         h = x + _linear(o, layout.o_params, compute_dtype(x))

@@ -62,18 +62,23 @@ def test_families_with_other_forwards_are_not_fused(name, fused_calls):
     assert fused_layer.layout_of(layer) is None and not fused_calls
 
 
+@pytest.mark.parametrize("call", ["padded-dropout", "plain"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 @pytest.mark.parametrize("mode", ["selective", "none"])
-def test_fused_and_generic_paths_give_the_same_bits(mode, autocast, monkeypatch, fused_calls):
+def test_fused_and_generic_paths_give_the_same_bits(mode, autocast, call, monkeypatch, fused_calls):
     """The same model, fused and through the generic path (models/converted_layer.py): the same logits and
-    gradients bit for bit, in fp32 and under bf16 autocast, with attention dropout (one seed each)."""
+    gradients bit for bit, in fp32 and under bf16 autocast; with padding and attention dropout (one seed each), and
+    without either, where the fused path makes its plain attention call (fused_layer._plain_attention)."""
+    plain_calls = []
+    plain = fused_layer._plain_attention
+    monkeypatch.setattr(fused_layer, "_plain_attention", lambda *a: plain_calls.append(1) or plain(*a))
     torch.manual_seed(0)
-    base = FAMILY["llama"].build(attention_dropout=0.1)().train()
-    ids, mask = hf_checks.batch()
+    base = FAMILY["llama"].build(attention_dropout=0.1 if call == "padded-dropout" else 0.0)().train()
+    ids, mask = hf_checks.batch(pad_rows=call == "padded-dropout")
     fused = convert(copy.deepcopy(base), recompute=mode)
     torch.manual_seed(5)
     logits, grads = _step(fused, ids, mask, autocast)
-    assert fused_calls
+    assert fused_calls and len(plain_calls) == (len(fused_calls) if call == "plain" else 0)
     _generic(monkeypatch)
     generic = convert(copy.deepcopy(base), recompute=mode)
     calls = len(fused_calls)
