@@ -37,6 +37,9 @@ from .ops.rms_norm import rms_norm_apply, rms_norm_bwd, rms_norm_fwd
 from .validation import NORMS, check_choice
 
 MLP_KINDS = ("plain", "gated")
+# check_choice's tables, made once (not per call)
+_NORM_CHOICES, _MLP_CHOICES, _GATED_ACTIVATIONS = (dict.fromkeys(NORMS), dict.fromkeys(MLP_KINDS),
+                                                   dict.fromkeys(KERNEL_ACTIVATIONS))
 # _NormThen's inputs before x: the settings (op, norm, eps, offset, consumer, mlp, activation, p, store, cd, adapters:
 # one tuple, as autograd.Function.apply does work per argument) and the seed (a tensor, so an input of its own)
 _SETTINGS = 2
@@ -286,7 +289,7 @@ _BACKWARD = {op: first_order_only(f"selective_ckpt.norm_fusion.{op}")(_backward)
 
 
 def _check_norm(norm, norm_b):
-    check_choice(norm, "norm", dict.fromkeys(NORMS))
+    check_choice(norm, "norm", _NORM_CHOICES)
     if norm == "rmsnorm" and norm_b is not None:
         raise ValueError("norm_b must be None for norm='rmsnorm' (RMSNorm has no bias)")
 
@@ -343,8 +346,8 @@ def norm_mlp(x, norm_w, norm_b, params, *, norm="layernorm", eps=1e-5, offset=0.
     adapters: LoRA on a gated MLP's gate, up and down (as norm_linear's; no MLP dropout, not with `store`).
     """
     _check_norm(norm, norm_b)
-    check_choice(mlp, "mlp", dict.fromkeys(MLP_KINDS))
-    check_choice(activation, "activation", dict.fromkeys(KERNEL_ACTIVATIONS if mlp == "gated" else GELU_APPROXIMATE))
+    check_choice(mlp, "mlp", _MLP_CHOICES)
+    check_choice(activation, "activation", _GATED_ACTIVATIONS if mlp == "gated" else GELU_APPROXIMATE)
     if len(params) != (6 if mlp == "gated" else 4):
         raise ValueError(f"params of a {mlp} MLP are {'6' if mlp == 'gated' else '4'} tensors (weight, bias pairs), "
                          f"got {len(params)}")

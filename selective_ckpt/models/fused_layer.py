@@ -480,11 +480,12 @@ def _linear(x, params, cd):
     return _CastLinear.apply(x, w, b, cd)
 
 
-def _adapters(calls, device):
+def _adapters(calls, x):
     """norm_fusion's adapters argument for these projections' LoRA calls (None when none has one), each dropout's
-    seed drawn in projection order, as PEFT's forward draws them."""
+    seed drawn on x's device in projection order, as PEFT's forward draws them."""
     if not any(calls):
         return None
+    device = x.device
     return [None if c is None else (c[0], c[1], Adapter(c[2], c[3], rng.draw_seed_tensor(device) if c[3] else None,
                                                         c[4], c[5]))
             for c in calls]
@@ -500,10 +501,11 @@ def fused_forward(layout, store, lora, hidden_states, attention_mask=None, posit
     attn = layout.attn
     B, S, _ = x.shape
     D = attn.head_dim
+    plain = lora is _PLAIN_CALLS  # plain Linears: no adapters to read
     # .get: a base may hold no bias entry at all (fit's 4-bit stand-in sets a plain None)
     linears = [(p["weight"], p.get("bias")) for p in layout.qkv_params]
     q, k, v = norm_linear(x, layout.norm_params[0]["weight"], None, linears, norm="rmsnorm", eps=rms_eps(layout.norm1),
-                          offset=layout.offset1, store=store, adapters=_adapters(lora[:3], x.device))
+                          offset=layout.offset1, store=store, adapters=None if plain else _adapters(lora[:3], x))
     cos, sin = position_embeddings
     q, k = _Rope.apply(q.view(B, S, -1, D), k.view(B, S, -1, D), cos, sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, -1, D).transpose(1, 2)
@@ -531,10 +533,10 @@ def fused_forward(layout, store, lora, hidden_states, attention_mask=None, posit
     if lora[3] is None:
         h = x + _linear(o, layout.o_params, compute_dtype(x))
     else:
-        (a, bw, adapter), = _adapters(lora[3:4], x.device)
+        (a, bw, adapter), = _adapters(lora[3:4], x)
         h = x + lora_linear(o, layout.o_params["weight"], layout.o_params.get("bias"), a, bw, adapter)
     pipeline.tag(h, "residual", if_untagged=True)
     params = [t for p in layout.mlp_params for t in (p["weight"], p.get("bias"))]
     return h + norm_mlp(h, layout.norm_params[1]["weight"], None, params, norm="rmsnorm", eps=rms_eps(layout.norm2),
                         offset=layout.offset2, mlp="gated", activation=layout.activation, store=store,
-                        adapters=_adapters(lora[4:], x.device))
+                        adapters=None if plain else _adapters(lora[4:], x))

@@ -17,14 +17,9 @@ from .layer_norm import stat_dtype
 from .eager import fast_eager
 
 
-def _rows(x):
-    n = x.shape[-1]
-    return (x.numel() // n if n else 0), n
-
-
 def _check_operands(x, weight, rstd=None, dy=None):
-    """The kernels read weight and rstd by x's row length and dtype: anything else would read past
-    them, so every op checks before launching (the fused pieces call the ops directly)."""
+    """(rows, row length) of x. The kernels read weight and rstd by x's row length and dtype: anything else would
+    read past them, so every op checks before launching (the fused pieces call the ops directly)."""
     n = x.shape[-1] if x.dim() else 0
     if weight.shape != (n,) or weight.dtype != x.dtype or weight.device != x.device:
         raise ValueError(f"rms norm weight must be [{n}] {x.dtype} on {x.device} like x's last dim, got "
@@ -34,14 +29,14 @@ def _check_operands(x, weight, rstd=None, dy=None):
                          f"{list(rstd.shape)} {rstd.dtype}")
     if dy is not None and (dy.shape != x.shape or dy.dtype != x.dtype):
         raise ValueError(f"rms norm dy must match x {list(x.shape)} {x.dtype}, got {list(dy.shape)} {dy.dtype}")
+    return (x.numel() // n if n else 0), n
 
 
 @torch.library.custom_op("selective_ckpt::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_operands(x, weight)
+    rows, n = _check_operands(x, weight)
     x, weight = x.contiguous(), weight.contiguous()
-    rows, n = _rows(x)
     y = torch.empty_like(x)
     rstd = torch.empty(x.shape[:-1], dtype=stat_dtype(x.dtype), device=x.device)
     if rows:
@@ -57,9 +52,8 @@ def _(x, weight, eps, offset):
 
 @torch.library.custom_op("selective_ckpt::rms_norm_apply", mutates_args=())
 def rms_norm_apply(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float) -> torch.Tensor:
-    _check_operands(x, weight, rstd)
+    rows, n = _check_operands(x, weight, rstd)
     x, weight, rstd = x.contiguous(), weight.contiguous(), rstd.contiguous()
-    rows, n = _rows(x)
     y = torch.empty_like(x)
     if rows:
         backend.call("rms_norm", "apply", x, weight, y, rstd, rows, n, offset)
@@ -75,9 +69,8 @@ def _(x, weight, rstd, offset):
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, offset: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight) of y = RMSNorm(x) * (offset + weight)."""
-    _check_operands(x, weight, rstd, dy)
+    rows, n = _check_operands(x, weight, rstd, dy)
     dy, x, rstd, weight = dy.contiguous(), x.contiguous(), rstd.contiguous(), weight.contiguous()
-    rows, n = _rows(x)
     dx = torch.empty_like(x)
     if not rows:
         return dx, torch.zeros_like(weight)
