@@ -398,7 +398,11 @@ def applies(layout, x, kwargs, store=False):
     return calls
 
 
-# --- RoPE as transformers' apply_rotary_pos_emb computes it, in one node that keeps cos and sin only
+# --- RoPE as transformers' apply_rotary_pos_emb computes it, in one node that keeps cos and sin only.
+# rotate_half(x) (the halves of x swapped, the new first half negated) is x rolled by D/2 times a sign, and a product's
+# sign moves to the other factor exactly: rotate_half(x) * sin = roll(x, D/2) * signed(sin), signed(sin) being sin
+# with its first half negated, bit for bit; the adjoint, unrotate_half(g * sin), is roll(g * signed(sin), D/2). So one
+# roll and one product stand for four ops, and signed(sin) is made once for q and k. An odd D keeps the halves' form.
 
 def _rotate_half(x):
     half = x.shape[-1] // 2
@@ -406,9 +410,23 @@ def _rotate_half(x):
 
 
 def _unrotate_half(g):
-    """The adjoint of _rotate_half: the gradient of its input from the gradient of its output."""
-    half = g.shape[-1] // 2
-    return torch.cat((g[..., half:], -g[..., :half]), dim=-1)
+    """The adjoint of _rotate_half: the gradient of its input from the gradient of its output (whose first block, from
+    the input's second half, holds D - D // 2 entries)."""
+    cut = g.shape[-1] - g.shape[-1] // 2
+    return torch.cat((g[..., cut:], -g[..., :cut]), dim=-1)
+
+
+_SIGNS = {}  # (D, dtype, device) -> [D] of -1 (first half) and 1: plain tensors only, made once
+
+
+def _sign(like, D):
+    key = (D, like.dtype, like.device)
+    sign = _SIGNS.get(key)
+    if sign is None:
+        sign = torch.cat((like.new_full((D // 2,), -1), like.new_ones(D - D // 2)))
+        if type(sign) is torch.Tensor and not torch.compiler.is_compiling():  # not a fake, traced or mode's tensor
+            _SIGNS[key] = sign
+    return sign
 
 
 class _Rope(torch.autograd.Function):
@@ -420,7 +438,11 @@ class _Rope(torch.autograd.Function):
         c, s = cos.unsqueeze(2), sin.unsqueeze(2)
         ctx.save_for_backward(cos, sin)
         ctx.dtypes = q.dtype, k.dtype
-        return (q * c) + (_rotate_half(q) * s), (k * c) + (_rotate_half(k) * s)
+        D = q.shape[-1]
+        if D % 2:
+            return (q * c) + (_rotate_half(q) * s), (k * c) + (_rotate_half(k) * s)
+        s = s * _sign(s, D)
+        return (q * c) + (q.roll(D // 2, -1) * s), (k * c) + (k.roll(D // 2, -1) * s)
 
     @staticmethod
     @first_order_only("selective_ckpt.models.fused_layer.rope")
@@ -428,13 +450,20 @@ class _Rope(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         c, s = cos.unsqueeze(2), sin.unsqueeze(2)
         need = ctx.needs_input_grad
-
-        def back(g, dtype):
-            # autograd's order: each product's gradient cast to the input's dtype, then summed in it
-            return (g * c).to(dtype) + _unrotate_half((g * s).to(dtype))
-
-        return (back(dq, ctx.dtypes[0]) if need[0] else None, back(dk, ctx.dtypes[1]) if need[1] else None,
-                None, None)
+        D = sin.shape[-1]
+        odd = D % 2
+        if not odd:
+            s = s * _sign(s, D)
+        grads = []
+        # autograd's order: each product's gradient cast to the input's dtype, then summed in it
+        for g, dtype, needed in ((dq, ctx.dtypes[0], need[0]), (dk, ctx.dtypes[1], need[1])):
+            if not needed:
+                grads.append(None)
+            elif odd:
+                grads.append((g * c).to(dtype) + _unrotate_half((g * s).to(dtype)))
+            else:
+                grads.append((g * c).to(dtype) + (g * s).to(dtype).roll(D // 2, -1))
+        return grads[0], grads[1], None, None
 
 
 # --- a Linear under autocast that keeps its fp32 weight, not autocast's 16-bit copy of it (made again in backward)

@@ -207,3 +207,32 @@ def test_offloading_and_the_ledger_see_the_fused_nodes_saves(fused_calls):
     name = next(n for n in report.by_layer if n != "-")
     parts = layer_estimate(layer, ids.shape[1], ids.shape[0], breakdown=True)
     assert report.by_class(layer=name)["mlp"] == {"device": parts["gate_out"] + parts["up_out"], "host": 0}
+
+
+@pytest.mark.parametrize("head_dim", [16, 6, 5], ids=["D16", "D6", "odd-D5"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16-fp32-tables"])
+def test_rope_node_gives_transformers_bits(head_dim, dtypes):
+    """_Rope (a roll and a signed sin for even head dims, the halves' form for odd ones) against transformers'
+    apply_rotary_pos_emb and its autograd: outputs and input gradients bit for bit, k with fewer heads than q."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(3)
+    x_dtype, table_dtype = dtypes
+    q = torch.randn(2, 7, 4, head_dim, generator=g).to(x_dtype)
+    k = torch.randn(2, 7, 2, head_dim, generator=g).to(x_dtype)
+    cos, sin = (torch.randn(2, 7, head_dim, generator=g).to(table_dtype) for _ in range(2))
+    dq, dk = (torch.randn(2, 7, n, head_dim, generator=g).to(torch.promote_types(x_dtype, table_dtype))
+              for n in (4, 2))
+    results = []
+    for run in ("ours", "transformers"):
+        qs, ks = q.clone().requires_grad_(), k.clone().requires_grad_()
+        if run == "ours":
+            qo, ko = fused_layer._Rope.apply(qs, ks, cos, sin)
+        else:  # transformers' layout: [B, heads, S, D], tables unsqueezed at dim 1
+            qo, ko = (t.transpose(1, 2) for t in apply_rotary_pos_emb(qs.transpose(1, 2), ks.transpose(1, 2), cos,
+                                                                      sin))
+        torch.autograd.backward((qo, ko), (dq, dk))
+        results.append((qo, ko, qs.grad, ks.grad))
+    for a, b in zip(*results, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
