@@ -16,11 +16,6 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 
 @pytest.fixture
-def setting(monkeypatch):
-    return lambda name: monkeypatch.setenv(backend.ATTENTION_ENV, name)
-
-
-@pytest.fixture
 def ran(monkeypatch):
     """Which path ran each call: "itself" (the CPU flash kernel under its own node) or the op's kernel name."""
     log = []

@@ -19,12 +19,6 @@ OURS, CPU_FLASH, FLASH, EFFICIENT = dispatch.OURS, dispatch.CPU_FLASH, dispatch.
 
 
 @pytest.fixture
-def setting(monkeypatch):
-    """setting(name): the attention setting for this test only."""
-    return lambda name: monkeypatch.setenv(backend.ATTENTION_ENV, name)
-
-
-@pytest.fixture
 def ran(monkeypatch):
     """The kernels attention_dispatch ran, in order: ("forward" | "backward", name)."""
     log = []
