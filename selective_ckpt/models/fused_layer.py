@@ -424,7 +424,9 @@ def _sign(like, D):
     sign = _SIGNS.get(key)
     if sign is None:
         sign = torch.cat((like.new_full((D // 2,), -1), like.new_ones(D - D // 2)))
-        if type(sign) is torch.Tensor and not torch.compiler.is_compiling():  # not a fake, traced or mode's tensor
+        # kept unless fake, traced, a mode's, or made while a CUDA graph is captured (the graph's pool owns it then)
+        if type(sign) is torch.Tensor and not torch.compiler.is_compiling() and not (
+                sign.is_cuda and torch.cuda.is_current_stream_capturing()):
             _SIGNS[key] = sign
     return sign
 
