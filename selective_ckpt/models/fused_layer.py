@@ -7,7 +7,8 @@ forward here runs the same arithmetic as
 
 - norm_fusion.norm_linear: input norm -> q, k, v projections (keeps x and the norm statistics);
 - _Rope: HF's q * cos + rotate_half(q) * sin on q and k, op for op (keeps cos and sin);
-- the registered attention function, called as transformers' attention module calls it (keeps q, k, v, o, lse);
+- the registered attention function, called as transformers' attention module calls it (keeps q, k, v, o, lse;
+  a plain causal call goes to the attention op directly: _plain_attention);
 - o_proj (keeps o; a 16-bit cast of its weight made again in backward under autocast, as the pipeline does);
 - norm_fusion.norm_mlp: post-attention norm -> gate/up -> act(gate) * up -> down (keeps h, statistics, gate, up);
 
