@@ -498,8 +498,7 @@ def selective_attention(module, query, key, value, attention_mask, dropout=0.0, 
             _warn_once("mask", f"{e}: such calls run transformers' SDPA attention with the mask as given, keeping "
                                "what SDPA keeps (warned once)")
             return _sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    cu_kw = None if "cu_seq_lens_q" not in kwargs and "cu_seq_lens_k" not in kwargs else \
-        _cu_seqlens(kwargs, _name(module))
+    cu_kw = _cu_seqlens(kwargs, _name(module))
     if cu_kw is not None:
         if cu is not None and not torch.equal(cu, cu_kw):
             raise ConversionError(f"{_name(module)}: cu_seq_lens_q disagrees with the documents of the attention mask")

@@ -58,7 +58,8 @@ from .peft import adapter_linear_forward
 
 _CHILDREN = frozenset(("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_CHILDREN = frozenset(("gate_proj", "up_proj", "down_proj", "act_fn"))
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_MLP_CHILDREN = frozenset((*_MLP_PROJECTIONS, "act_fn"))
 
 # sha256 of the token stream (comments, docstrings and decorators left out) of forwards read line by line and found
 # to compute exactly what fused_forward computes. transformers 5.17-5.23 and 5.24-5.25 differ only in the kv
@@ -157,7 +158,7 @@ class Layout:
     def __init__(self, layer, norm1, offset1, norm2, offset2, activation, form):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
-        children = [getattr(attn, n) for n in _PROJECTIONS] + [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        children = [getattr(attn, n) for n in _PROJECTIONS] + [getattr(mlp, n) for n in _MLP_PROJECTIONS]
         # each projection's Linear (a LoRA layer's base layer) and, in projection order, its LoRA layer or None
         self.loras = tuple(m if _is_lora(m) else None for m in children)
         linears = [m if lora is None else m.base_layer for m, lora in zip(children, self.loras)]
@@ -206,7 +207,7 @@ def layout_of(layer):
              for name in ("input_layernorm", "post_attention_layernorm")]
     if any(kw is None or set(kw) - {"offset"} for kw in norms):
         return None
-    linears = [getattr(attn, n) for n in _PROJECTIONS] + [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    linears = [getattr(attn, n) for n in _PROJECTIONS] + [getattr(mlp, n) for n in _MLP_PROJECTIONS]
     if not all(_plain_linear(m) or _fusable_lora(m) for m in linears):
         return None
     if "forward" in vars(attn) or "forward" in vars(mlp.act_fn):
@@ -324,7 +325,7 @@ def _lora_calls(layout, dtype, autocast):
     return False if False in calls else calls
 
 
-_PLAIN_CALLS = (None,) * len(_PROJECTIONS + ("gate_proj", "up_proj", "down_proj"))
+_PLAIN_CALLS = (None,) * (len(_PROJECTIONS) + len(_MLP_PROJECTIONS))
 
 
 def _hooked(modules):
@@ -371,7 +372,7 @@ def applies(layout, x, kwargs, store=False):
     the module doc's conditions), else None. `store`: the policy keeps the norm outputs (not with LoRA)."""
     if type(x) not in PLAIN_TENSOR_TYPES or not x.is_floating_point() or x.dim() != 3:
         return None
-    if _OTHER_CACHE_KW[layout.cache_kw] in kwargs or kwargs.get("output_attentions"):
+    if _OTHER_CACHE_KW[layout.cache_kw] in kwargs:
         return None
     pe = kwargs.get("position_embeddings")
     if not isinstance(pe, tuple) or len(pe) != 2:
@@ -384,11 +385,7 @@ def applies(layout, x, kwargs, store=False):
     for m in layout.unpatched:
         if "forward" in m.__dict__:  # a forward of its own set since: it must run
             return None
-    # attention weights asked for (by the running model forward's collector, or outside one by the config, as
-    # attention.weights_requested has it): the generic path's attention call makes them
-    collected = compat.active_output_collector()
-    if ("attentions" in collected) if collected is not None else \
-            getattr(layout.attn.config, "output_attentions", False):
+    if attention.weights_requested(layout.attn, kwargs):  # the generic path's attention call makes them
         return None
     autocast = torch.is_autocast_enabled("cpu" if x.is_cpu else x.device.type)  # is_cpu: no device object made
     if not _parameters_fit(layout, x, autocast):

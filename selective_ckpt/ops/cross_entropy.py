@@ -297,8 +297,7 @@ def _checked_labels(labels, vocab, ignore_index):
         count = backend.cpu_label_count(flat, vocab, int(ignore_index))
         if count < 0:
             at = -1 - count
-            raise ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); got "
-                             f"{flat[at].item()} at position {at}")
+            raise _bad_label(flat[at].item(), at, vocab, ignore_index)
         return labels, count
     if is_fake(labels) and not torch.compiler.is_compiling():  # no values to check (selective_ckpt.fit's step)
         return labels, None
@@ -315,9 +314,13 @@ def _checked_labels(labels, vocab, ignore_index):
     if lo < 0 or hi >= vocab:
         bad = _bad_labels(labels, vocab, ignore_index)
         if bad.any():
-            raise ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); got "
-                             f"{labels[bad][0].item()} at position {bad.nonzero()[0].item()}")
+            raise _bad_label(labels[bad][0].item(), bad.nonzero()[0].item(), vocab, ignore_index)
     return labels, counted
+
+
+def _bad_label(value, position, vocab, ignore_index):
+    return ValueError(f"labels must be in [0, {vocab}) or ignore_index ({ignore_index}); got {value} at position "
+                      f"{position}")
 
 
 def _bad_labels(labels, vocab, ignore_index):

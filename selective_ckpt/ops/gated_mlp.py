@@ -31,10 +31,6 @@ ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # kernel activation -
 
 def activation_code(activation) -> int:
     """0 for "silu" (SwiGLU), 1 for "gelu_tanh" (GeGLU), 2 for "gelu" (exact GeGLU); anything else is refused."""
-    if type(activation) is str:  # the common call (every product kernel call): one lookup
-        code = ACTIVATION_CODES.get(activation)
-        if code is not None:
-            return code
     return check_choice(activation, "activation", ACTIVATION_CODES)
 
 
